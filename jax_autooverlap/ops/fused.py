@@ -1,0 +1,134 @@
+"""Differentiable fused cores on canonical 3-D operands, and the dispatch point.
+
+Each core is a `custom_vjp` whose backward pass uses the dual fused op:
+  d/da  AG(a) @ b      = RS(dout @ b^T)          (ag_rows -> rs_rows)
+  d/da  RS(a @ b)      = AG(dout) @ b^T          (rs_rows -> ag_rows)
+  d/db  a @ AG_K(b)    = RS_K(a^T @ dout)        (ag_k    -> rs_rows)
+The other operand's gradient is a local matmul against the gathered value that
+the forward already produced (the unfused program saves the same residual).
+
+`_dispatch` is where platform-specific kernels plug in: it picks, per platform,
+between the reference ring and the unfused program (and, on GPUs, the Triton
+kernels once they exist), following the op's `OverlapConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+from jax import lax
+
+from jax_autooverlap.ops import reference as ref
+from jax_autooverlap.ops.reference import RingParams
+
+_SWAP_MK = (0, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreParams:
+  ring: RingParams
+  impl: str  # "auto" | "reference" | "unfused"
+  return_gathered: bool = False
+
+  def with_dtype(self, dtype, return_gathered=False):
+    return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), self.impl, return_gathered)
+
+
+def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams):
+  if cp.impl == "reference":
+    return ring_fn(a, b, cp.ring)
+  if cp.impl == "unfused":
+    return unfused_fn(a, b, cp.ring)
+  # "auto": the reference ring wherever no faster kernel exists.  On GPUs no
+  # fused kernel is available yet, so they run the unfused program (NCCL +
+  # cuBLAS), which the ring does not beat there.
+  return lax.platform_dependent(
+      a, b,
+      cuda=lambda a, b: unfused_fn(a, b, cp.ring),
+      rocm=lambda a, b: unfused_fn(a, b, cp.ring),
+      default=lambda a, b: ring_fn(a, b, cp.ring))
+
+
+def _mT(x):
+  return lax.transpose(x, _SWAP_MK)
+
+
+def _local_bmm(x, y, contract, dtype, precision):
+  """[B,*,*] x [B,*,*] with the given contracting dims (one each) and batch dim 0."""
+  return lax.dot_general(x, y, ((contract[0], contract[1]), ((0,), (0,))),
+                         precision=precision, preferred_element_type=dtype)
+
+
+# --- all_gather(a, rows) @ b -------------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def ag_rows(a, b, cp: CoreParams):
+  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp)
+  return (out, gathered) if cp.return_gathered else out
+
+
+def _ag_rows_fwd(a, b, cp):
+  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp)
+  res = (gathered, b)
+  return ((out, gathered) if cp.return_gathered else out), res
+
+
+def _ag_rows_bwd(cp, res, ct):
+  gathered, b = res
+  dout, dgathered = ct if cp.return_gathered else (ct, None)
+  da = rs_rows(dout, _mT(b), cp.with_dtype(gathered.dtype))
+  if dgathered is not None:
+    da = da + lax.psum_scatter(dgathered, cp.ring.axis_name, scatter_dimension=1, tiled=True)
+  db = _local_bmm(gathered, dout, ((1,), (1,)), b.dtype, cp.ring.precision)
+  return da, db
+
+
+ag_rows.defvjp(_ag_rows_fwd, _ag_rows_bwd)
+
+
+# --- a @ all_gather(b, contracting) -----------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def ag_k(a, b, cp: CoreParams):
+  out, gathered = _dispatch(ref.ag_k_ring, ref.ag_k_unfused, a, b, cp)
+  return (out, gathered) if cp.return_gathered else out
+
+
+def _ag_k_fwd(a, b, cp):
+  out, gathered = _dispatch(ref.ag_k_ring, ref.ag_k_unfused, a, b, cp)
+  return ((out, gathered) if cp.return_gathered else out), (a, gathered)
+
+
+def _ag_k_bwd(cp, res, ct):
+  a, gathered = res
+  dout, dgathered = ct if cp.return_gathered else (ct, None)
+  da = _local_bmm(dout, gathered, ((2,), (2,)), a.dtype, cp.ring.precision)
+  db = rs_rows(_mT(a), dout, cp.with_dtype(gathered.dtype))
+  if dgathered is not None:
+    db = db + lax.psum_scatter(dgathered, cp.ring.axis_name, scatter_dimension=1, tiled=True)
+  return da, db
+
+
+ag_k.defvjp(_ag_k_fwd, _ag_k_bwd)
+
+
+# --- psum_scatter(a @ b, rows) -----------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rs_rows(a, b, cp: CoreParams):
+  return _dispatch(ref.rs_rows_ring, ref.rs_rows_unfused, a, b, cp)
+
+
+def _rs_rows_fwd(a, b, cp):
+  return rs_rows(a, b, cp), (a, b)
+
+
+def _rs_rows_bwd(cp, res, dout):
+  a, b = res
+  da, gathered_dout = ag_rows(dout, _mT(b), cp.with_dtype(a.dtype, return_gathered=True))
+  db = _local_bmm(a, gathered_dout, ((1,), (1,)), b.dtype, cp.ring.precision)
+  return da, db
+
+
+rs_rows.defvjp(_rs_rows_fwd, _rs_rows_bwd)

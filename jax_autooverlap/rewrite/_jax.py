@@ -1,0 +1,59 @@
+"""The few JAX internals the rewrite relies on, in one place.
+
+jaxpr types come from `jax.extend.core`; the source-info helpers that
+`jax.core.eval_jaxpr` itself uses come from `jax._src` (no public API).
+"""
+from __future__ import annotations
+
+from jax.extend import core as jex_core
+from jax._src import source_info_util
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+
+
+def is_var(v) -> bool:
+  return isinstance(v, Var)
+
+
+def _jaxprs_in(value):
+  if isinstance(value, ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for item in value:
+      yield from _jaxprs_in(item)
+
+
+def sub_jaxprs(params) -> list:
+  """Every (open) Jaxpr held in an equation's params: bodies, branches, calls."""
+  return [j for value in params.values() for j in _jaxprs_in(value)]
+
+
+def map_jaxprs(params, fn):
+  """params with every Jaxpr/ClosedJaxpr value replaced by fn(value) (same type)."""
+  def sub(value):
+    if isinstance(value, (ClosedJaxpr, Jaxpr)):
+      return fn(value)
+    if isinstance(value, tuple):
+      return tuple(sub(v) for v in value)
+    if isinstance(value, list):
+      return [sub(v) for v in value]
+    return value
+  return {k: sub(v) for k, v in params.items()}
+
+
+def source_line(eqn) -> str:
+  try:
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:
+    return "?"
+
+
+def eqn_context(eqn):
+  """The context jax.core.eval_jaxpr binds an equation under (source info, name stack)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)

@@ -1,0 +1,137 @@
+"""Re-emit a traced program with the planned fused ops in place.
+
+An interpreter in the style of `jax.core.eval_jaxpr`: equations are bound one
+by one under the caller's trace, except where the plan says otherwise.
+Higher-order equations whose bodies contain fused ops are rebuilt through a
+rule registry keyed by primitive name: shard_map re-enters `jax.shard_map`
+(so axis names and varying-axis types are set up by JAX itself); every other
+primitive gets its sub-jaxprs re-traced from this interpreter and is bound
+with otherwise identical params.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from jax_autooverlap.ops.api import ag_matmul, matmul_rs
+from jax_autooverlap.rewrite import _jax
+from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
+from jax_autooverlap.rewrite.layout import apply_to_shard
+from jax_autooverlap.tuning.config import OverlapConfig
+
+
+class RewriteError(RuntimeError):
+  """The rewrite could not rebuild a program it had planned to change."""
+
+
+Rule = Callable[["Interpreter", object, list], list]
+RULES: dict[str, Rule] = {}
+
+
+def register_rule(name: str):
+  def deco(fn):
+    RULES[name] = fn
+    return fn
+  return deco
+
+
+class Interpreter:
+
+  def __init__(self, plan: Plan, config: OverlapConfig):
+    self.plan = plan
+    self.config = config
+
+  def eval(self, jaxpr, consts, args) -> list:
+    env = {}
+
+    def read(v):
+      return v.val if isinstance(v, _jax.Literal) else env[v]
+
+    for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+      env[v] = x
+    key = id(jaxpr)
+    for i, eqn in enumerate(jaxpr.eqns):
+      action = self.plan.actions.get((key, i))
+      if action is SKIP:
+        continue
+      with _jax.eqn_context(eqn):
+        if isinstance(action, AgPlan):
+          self._emit_ag(action, read, env)
+          continue
+        if isinstance(action, RsPlan):
+          self._emit_rs(action, read, env)
+          continue
+        invals = [read(v) for v in eqn.invars]
+        if (key, i) in self.plan.rebuild:
+          rule = RULES.get(eqn.primitive.name, _generic_rule)
+          outs = rule(self, eqn, invals)
+        else:
+          outs = _bind(eqn, eqn.params, invals)
+      for v, x in zip(eqn.outvars, outs):
+        env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+  def _emit_ag(self, a: AgPlan, read, env):
+    n = a.match.axis_size or 1
+    shard = read(a.gather_eqn.invars[0])
+    for ceqn, out_dim in a.chain:
+      shard = apply_to_shard(ceqn, shard, out_dim, n)
+    other = read(a.dot_eqn.invars[1 - a.operand])
+    x, w = (shard, other) if a.operand == 0 else (other, shard)
+    p = a.dot_eqn.params
+    res = ag_matmul(x, w, a.match.axis_name, gather_dim=a.gather_dim, gather_operand=a.operand,
+                    dimension_numbers=p["dimension_numbers"], precision=p["precision"],
+                    preferred_element_type=p["preferred_element_type"],
+                    return_gathered=a.need_gathered, config=self.config)
+    out, gathered = res if a.need_gathered else (res, None)
+    env[a.dot_eqn.outvars[0]] = out
+    if a.need_gathered:
+      env[a.result_var] = gathered
+
+  def _emit_rs(self, r: RsPlan, read, env):
+    n = r.match.axis_size or 1
+    p = r.dot_eqn.params
+    y = matmul_rs(read(r.dot_eqn.invars[0]), read(r.dot_eqn.invars[1]), r.match.axis_name,
+                  scatter_dim=r.scatter_dim, dimension_numbers=p["dimension_numbers"],
+                  precision=p["precision"], preferred_element_type=p["preferred_element_type"],
+                  config=self.config)
+    for ceqn, out_dim in r.chain:
+      y = apply_to_shard(ceqn, y, out_dim, n)
+    env[r.rs_eqn.outvars[0]] = y
+
+  def retrace(self, j):
+    """Re-trace a (Closed)Jaxpr through this interpreter; same type and signature."""
+    closed = j if isinstance(j, _jax.ClosedJaxpr) else _jax.ClosedJaxpr(j, [])
+    fun = lambda *args: self.eval(closed.jaxpr, closed.consts, args)
+    new = jax.make_jaxpr(fun)(*(v.aval for v in closed.jaxpr.invars))
+    if isinstance(j, _jax.ClosedJaxpr):
+      return new
+    if new.consts:
+      raise RewriteError(f"rewritten body of an open jaxpr captured {len(new.consts)} constants")
+    return new.jaxpr
+
+
+def _bind(eqn, params, invals):
+  bind_params = eqn.primitive.get_bind_params(params)
+  subfuns = ()
+  if isinstance(bind_params, tuple):  # jax < 0.9 returned (subfuns, params)
+    subfuns, bind_params = bind_params
+  outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _generic_rule(interp: Interpreter, eqn, invals):
+  """Any higher-order primitive: same params, rewritten sub-jaxprs."""
+  return _bind(eqn, _jax.map_jaxprs(eqn.params, interp.retrace), invals)
+
+
+@register_rule("shard_map")
+def _shard_map_rule(interp: Interpreter, eqn, invals):
+  p = eqn.params
+  body = p["jaxpr"]
+  fn = lambda *args: tuple(interp.eval(body, (), args))
+  smap = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                       out_specs=tuple(p["out_specs"]), axis_names=set(p["newly_manual_axes"]),
+                       check_vma=p["check_vma"])
+  return list(smap(*invals))

@@ -1,0 +1,50 @@
+"""Shared test setup: 8 virtual CPU devices (set before jax is imported) and helpers."""
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+TOL = {np.dtype("float32"): 2e-5, np.dtype(jax.numpy.bfloat16): 2e-2,
+       np.dtype("float16"): 5e-3}
+
+
+def rel_err(got, want) -> float:
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  assert np.all(np.isfinite(got)), "non-finite values in result"
+  denom = np.linalg.norm(want)
+  return float(np.linalg.norm(got - want) / (denom if denom else 1.0))
+
+
+def assert_close(got, want, dtype, factor=1.0):
+  tol = TOL[np.dtype(dtype)] * factor
+  err = rel_err(got, want)
+  assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
+
+
+def cpu_mesh(shape, names):
+  devices = jax.devices("cpu")
+  need = int(np.prod(shape))
+  if len(devices) < need:
+    pytest.skip(f"needs {need} CPU devices")
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                       devices=devices[:need])
+
+
+_seed = [0]
+
+
+def fresh_key():
+  """A new PRNG key for every check: inputs are never reused between checks."""
+  _seed[0] += 1
+  return jax.random.key(1000 + _seed[0])
+
+
+def randn(key, shape, dtype):
+  return jax.random.normal(key, shape, np.float32).astype(dtype)
