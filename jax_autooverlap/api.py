@@ -36,7 +36,7 @@ def _rewriting(fun: Callable, config: OverlapConfig, sink: list | None = None) -
 
     dyn = [leaves[i] for i in dyn_pos]
     closed = jax.make_jaxpr(flat_fun)(*dyn)
-    plan = analyze(closed)
+    plan = analyze(closed, config)
     if sink is not None:
       sink.append(plan.report)
     if not plan.has_fused:

@@ -19,6 +19,8 @@ from jax import lax
 
 from jax_autooverlap.ops import fused
 from jax_autooverlap.ops.reference import RingParams
+from jax_autooverlap.runtime import context
+from jax_autooverlap.tuning import select
 from jax_autooverlap.tuning.config import OverlapConfig, resolve_chunks
 
 DotDimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -126,10 +128,59 @@ def _config(config: OverlapConfig | None) -> OverlapConfig:
   return config
 
 
-def _core_params(axis_name, n, rows, precision, out_dtype, config, return_gathered=False):
+def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
+         mesh=None) -> tuple[str, "fused.GpuPlan | None", str]:
+  """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
+
+  `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
+  (batch, rows, contraction, columns) sizes per device.  Shared by the ops
+  and by ao.explain, so the report says what actually runs.
+  """
+  if config.impl in ("reference", "unfused"):
+    return config.impl, None, f"{config.impl} (forced by OverlapConfig)"
+  mesh = mesh if mesh is not None else context.current_mesh()
+  platform = context.platform(mesh)
+  if platform is None:
+    if config.impl == "triton":
+      raise ValueError(f"{op}: impl='triton' needs the concrete mesh: call inside ao.jit or under "
+                       "jax.set_mesh(mesh)")
+    return "platform", None, "chosen at lowering: reference ring on CPU/TPU, unfused on GPU"
+  if platform != "gpu":
+    if config.impl == "triton":
+      raise ValueError(f"{op}: impl='triton' needs NVIDIA GPUs, the mesh is on {platform}")
+    return "reference", None, f"reference ring (chunked ppermute) on {platform}"
+  batch, rows, k, cols = canonical
+  why = None
+  if op != "ag_rows":
+    why = "no GPU kernel for this op yet"
+  elif dtype is None:
+    why = "operands of different dtypes"
+  elif axis_size == 1:
+    why = "axis of size 1: a plain matmul"
+  elif batch != 1:
+    why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
+  else:
+    device_kind = np.asarray(mesh.devices).flat[0].device_kind
+    verdict = select.choose_ag(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
+    if verdict.kernel is not None:
+      return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
+          f"triton kernel ({verdict.reason})"
+    why = verdict.reason
+  if config.impl == "triton":
+    raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
+  return "unfused", None, f"unfused program on gpu ({why})"
+
+
+def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_gathered=False):
+  rows = {"ag_rows": a3.shape[1], "ag_k": b3.shape[1], "rs_rows": a3.shape[1] // n}[op]
   ring = RingParams(axis_name=axis_name, axis_size=n, chunks=resolve_chunks(config, rows),
                     precision=precision, out_dtype=np.dtype(out_dtype))
-  return fused.CoreParams(ring=ring, impl=config.impl, return_gathered=return_gathered)
+  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
+  if op == "ag_k":  # the gathered operand is b3 [B, k, N]
+    canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
+  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype)
+  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu)
 
 
 # --- ag_matmul -------------------------------------------------------------------
@@ -181,7 +232,8 @@ def ag_matmul(x, w, axis_name, *, gather_dim: int = 0, gather_operand: int = 0,
     af_ord = (g, *(d for d in af if d != g))
     a3 = _to_bmk(gathered_op, ab, af_ord, ac)
     b3 = _to_bmk(other, ob, oc, of)
-    cp = _core_params(axis_name, n, a3.shape[1], precision, out_sds.dtype, config, return_gathered)
+    cp = _core_params("ag_rows", axis_name, n, a3, b3, precision, out_sds.dtype, config,
+                      return_gathered)
     res = fused.ag_rows(a3, b3, cp)
     out3, g3 = res if return_gathered else (res, None)
     a_sizes = [gathered_op.shape[d] * (n if d == g else 1) for d in af_ord]
@@ -202,7 +254,8 @@ def ag_matmul(x, w, axis_name, *, gather_dim: int = 0, gather_operand: int = 0,
   ac_ord, oc_ord = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
   a3 = _to_bmk(other, ob, of, oc_ord)           # [B, M, n*k]
   b3 = _to_bmk(gathered_op, ab, ac_ord, af)     # [B, k, N]
-  cp = _core_params(axis_name, n, b3.shape[1], precision, out_sds.dtype, config, return_gathered)
+  cp = _core_params("ag_k", axis_name, n, a3, b3, precision, out_sds.dtype, config,
+                    return_gathered)
   res = fused.ag_k(a3, b3, cp)
   out3, g3 = res if return_gathered else (res, None)
   labels = batch_labels + [("O", d) for d in of] + [("A", d) for d in af]
@@ -255,7 +308,7 @@ def matmul_rs(x, w, axis_name, *, scatter_dim: int = 0,
   af_ord = (g, *(d for d in af if d != g))
   a3 = _to_bmk(scattered_op, ab, af_ord, ac)
   b3 = _to_bmk(other, ob, oc, of)
-  cp = _core_params(axis_name, n, a3.shape[1] // n, precision, out_sds.dtype, config)
+  cp = _core_params("rs_rows", axis_name, n, a3, b3, precision, out_sds.dtype, config)
   out3 = fused.rs_rows(a3, b3, cp)
   batch_labels = [("b", i) for i in range(len(ab))]
   labels = batch_labels + [("A", d) for d in af_ord] + [("O", d) for d in of]
@@ -265,3 +318,25 @@ def matmul_rs(x, w, axis_name, *, scatter_dim: int = 0,
   a_final, o_final = [("A", d) for d in af], [("O", d) for d in of]
   final = batch_labels + (a_final + o_final if operand == 0 else o_final + a_final)
   return _from_labelled(out3, sizes, labels, final)
+
+
+def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
+             dtype, out_dtype, config: OverlapConfig, mesh) -> str:
+  """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
+  dims = _Dims(dn, len(lhs_shape), len(rhs_shape))
+  shapes = [list(lhs_shape), list(rhs_shape)]
+  (ab, ac, af), (ob, oc, of) = dims.side(operand)
+  mine, other = shapes[operand], shapes[1 - operand]
+  size = lambda shape, ds: math.prod(shape[d] for d in ds)
+  if kind == "ag_matmul":
+    mine[dim] //= axis_size  # the shard
+    op = "ag_rows" if dim in af else "ag_k"
+  else:
+    op = "rs_rows"
+  canonical = (size(mine, ab), size(mine, af), size(mine, ac), size(other, of))
+  if op == "ag_k":
+    canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
+  try:
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh)[2]
+  except ValueError as e:
+    return f"error: {e}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 from jax import lax
@@ -26,28 +27,50 @@ _SWAP_MK = (0, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuPlan:
+  """Everything the GPU kernel of one call needs besides its operands."""
+  mesh: Any
+  kernel: Any  # tuning.KernelConfig
+  timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class CoreParams:
   ring: RingParams
-  impl: str  # "auto" | "reference" | "unfused"
+  impl: str  # resolved: "reference" | "unfused" | "triton" | "platform" (decided at lowering)
   return_gathered: bool = False
+  gpu: GpuPlan | None = None
 
   def with_dtype(self, dtype, return_gathered=False):
-    return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), self.impl, return_gathered)
+    # The dual op of a backward pass has other shapes: it gets no kernel plan
+    # of its own yet and runs the same-platform default.
+    impl = "unfused" if self.impl == "triton" else self.impl
+    return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), impl, return_gathered)
 
 
-def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams):
+def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams, gpu_fn=None, need_gathered=True):
   if cp.impl == "reference":
     return ring_fn(a, b, cp.ring)
   if cp.impl == "unfused":
     return unfused_fn(a, b, cp.ring)
-  # "auto": the reference ring wherever no faster kernel exists.  On GPUs no
-  # fused kernel is available yet, so they run the unfused program (NCCL +
-  # cuBLAS), which the ring does not beat there.
+  if cp.impl == "triton":
+    return gpu_fn(a, b, cp, need_gathered)
+  # Platform unknown at trace time (no concrete mesh): the reference ring,
+  # except on GPUs, where the unfused program (NCCL + cuBLAS) beats it.
   return lax.platform_dependent(
       a, b,
       cuda=lambda a, b: unfused_fn(a, b, cp.ring),
       rocm=lambda a, b: unfused_fn(a, b, cp.ring),
       default=lambda a, b: ring_fn(a, b, cp.ring))
+
+
+def _ag_rows_triton(a, b, cp: CoreParams, need_gathered: bool):
+  from jax_autooverlap.backends import triton as triton_backend
+  res = triton_backend.ag_gemm(
+      a[0], b[0], axis_name=cp.ring.axis_name, mesh=cp.gpu.mesh, kernel=cp.gpu.kernel,
+      out_dtype=cp.ring.out_dtype, return_gathered=need_gathered, timeout_s=cp.gpu.timeout_s)
+  out, gathered = res if need_gathered else (res, None)
+  return out[None], (None if gathered is None else gathered[None])
 
 
 def _mT(x):
@@ -64,12 +87,13 @@ def _local_bmm(x, y, contract, dtype, precision):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def ag_rows(a, b, cp: CoreParams):
-  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp)
+  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp, _ag_rows_triton,
+                            need_gathered=cp.return_gathered)
   return (out, gathered) if cp.return_gathered else out
 
 
 def _ag_rows_fwd(a, b, cp):
-  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp)
+  out, gathered = _dispatch(ref.ag_rows_ring, ref.ag_rows_unfused, a, b, cp, _ag_rows_triton)
   res = (gathered, b)
   return ((out, gathered) if cp.return_gathered else out), res
 

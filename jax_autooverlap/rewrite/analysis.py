@@ -15,10 +15,11 @@ import dataclasses
 from collections import defaultdict
 from typing import Any
 
-import jax
 import numpy as np
 
+from jax_autooverlap.ops.api import describe
 from jax_autooverlap.rewrite import _jax
+from jax_autooverlap.tuning.config import OverlapConfig
 from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through
 from jax_autooverlap.rewrite.match import Match, Report
 
@@ -60,52 +61,55 @@ class Plan:
     return any(m.status == "fused" for m in self.report.matches)
 
 
-def analyze(closed_jaxpr, platform: str | None = None) -> Plan:
+def analyze(closed_jaxpr, config: OverlapConfig | None = None) -> Plan:
   plan = Plan()
-  _Analyzer(plan, platform or jax.default_backend()).walk(closed_jaxpr.jaxpr, False, "")
+  _Analyzer(plan, config or OverlapConfig()).walk(closed_jaxpr.jaxpr, False, "", None)
   return plan
 
 
-def _platform_of(mesh, default):
+def _concrete(mesh):
   try:  # a concrete Mesh knows its devices; an AbstractMesh does not
-    return np.asarray(mesh.devices).flat[0].platform
+    np.asarray(mesh.devices)
+    return mesh
   except Exception:
-    return default
+    return None
 
 
-def _impl_note(platform: str) -> str:
-  if platform in ("cuda", "gpu", "rocm"):
-    return f"unfused program on {platform} (no faster fused GPU kernel in this version)"
-  return f"reference ring (chunked ppermute) on {platform}"
+def _impl_note(ctx, kind, deqn, operand, dim):
+  """What will run for a fused match: the same decision the op makes."""
+  lhs, rhs = deqn.invars
+  dtype = lhs.aval.dtype if lhs.aval.dtype == rhs.aval.dtype else None
+  n = ctx.axis_size or 1
+  return describe(kind, lhs.aval.shape, rhs.aval.shape, operand, dim,
+                  deqn.params["dimension_numbers"], n, dtype, deqn.outvars[0].aval.dtype,
+                  ctx.config, ctx.mesh)
 
 
 class _Analyzer:
 
-  def __init__(self, plan: Plan, platform: str):
+  def __init__(self, plan: Plan, config: OverlapConfig):
     self.plan = plan
-    self.platform = platform
+    self.config = config
 
   # -- traversal ---------------------------------------------------------------
 
-  def walk(self, jaxpr, manual: bool, path: str, platform: str | None = None) -> bool:
+  def walk(self, jaxpr, manual: bool, path: str, mesh) -> bool:
     """Analyse one jaxpr; True if it (or anything inside) gets a fused op."""
-    platform = platform or self.platform
     changed = False
     for i, eqn in enumerate(jaxpr.eqns):
       name = eqn.primitive.name
       sub_manual = manual or name == "shard_map"
-      sub_platform = _platform_of(eqn.params.get("mesh"), platform) if name == "shard_map" \
-          else platform
+      sub_mesh = _concrete(eqn.params.get("mesh")) if name == "shard_map" else mesh
       sub_path = f"{path}/{name}" + (f"({eqn.params['name']})" if "name" in eqn.params else "")
       for sub in _jax.sub_jaxprs(eqn.params):
-        if self.walk(sub, sub_manual, sub_path, sub_platform):
+        if self.walk(sub, sub_manual, sub_path, sub_mesh):
           self.plan.rebuild.add((id(jaxpr), i))
           changed = True
     if manual:
-      changed |= self._match(jaxpr, path or "/", platform)
+      changed |= self._match(jaxpr, path or "/", mesh)
     return changed
 
-  def _match(self, jaxpr, path, platform) -> bool:
+  def _match(self, jaxpr, path, mesh) -> bool:
     uses = defaultdict(list)
     producer = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -115,7 +119,7 @@ class _Analyzer:
       for v in eqn.outvars:
         producer[v] = i
     outvars = {v for v in jaxpr.outvars if _jax.is_var(v)}
-    ctx = _Ctx(jaxpr, uses, producer, outvars, path, platform)
+    ctx = _Ctx(jaxpr, uses, producer, outvars, path, mesh, self.config)
     claimed = set()
     changed = False
     for i, eqn in enumerate(jaxpr.eqns):
@@ -183,7 +187,9 @@ class _Analyzer:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
     need_gathered = len(ctx.uses[v]) > 1 or v in ctx.outvars
-    match = Match(status="fused", reason="", impl=_impl_note(ctx.platform), **base)
+    ctx.axis_size = n
+    match = Match(status="fused", reason="", impl=_impl_note(ctx, "ag_matmul", deqn, operand, dim),
+                  **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, gi)] = SKIP
@@ -249,7 +255,13 @@ class _Analyzer:
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
-    match = Match(status="fused", reason="", impl=_impl_note(ctx.platform), **base)
+    (lc, rc), (lb, rb) = deqn.params["dimension_numbers"]
+    lf = [d for d in range(deqn.invars[0].aval.ndim) if d not in (*lb, *lc)]
+    rf = [d for d in range(deqn.invars[1].aval.ndim) if d not in (*rb, *rc)]
+    op_idx, op_dim = (0, lf[dim - len(lb)]) if operand == "lhs" else (1, rf[dim - len(lb) - len(lf)])
+    ctx.axis_size = n
+    match = Match(status="fused", reason="", impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim),
+                  **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, di)] = SKIP
@@ -267,7 +279,9 @@ class _Ctx:
   producer: dict
   outvars: set
   path: str
-  platform: str
+  mesh: Any
+  config: OverlapConfig
+  axis_size: int | None = None
 
 
 def _shape(v):

@@ -18,6 +18,7 @@ from jax_autooverlap.ops.api import ag_matmul, matmul_rs
 from jax_autooverlap.rewrite import _jax
 from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
 from jax_autooverlap.rewrite.layout import apply_to_shard
+from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
 
 
@@ -134,4 +135,5 @@ def _shard_map_rule(interp: Interpreter, eqn, invals):
   smap = jax.shard_map(fn, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
                        out_specs=tuple(p["out_specs"]), axis_names=set(p["newly_manual_axes"]),
                        check_vma=p["check_vma"])
-  return list(smap(*invals))
+  with context.use_mesh(p["mesh"]):
+    return list(smap(*invals))

@@ -1,43 +1,86 @@
 """Frozen, self-validating configuration of the fused ops.
 
-Choice order (documented once, used by ops): explicit config -> tuning cache ->
-heuristic.  Only the explicit and heuristic steps exist until the GPU kernels
-land; the cache/autotune steps plug in here.
+Choice order (tuning/select.py): explicit config -> tuning cache (measured
+verdicts shipped as JSON) -> heuristic.  The cache says, per device kind,
+world size, shape and dtype, whether the fused GPU kernel beat the unfused
+program and with which kernel config.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-Impl = Literal["auto", "reference", "unfused"]
-IMPLS: tuple[str, ...] = ("auto", "reference", "unfused")
+Impl = Literal["auto", "reference", "unfused", "triton"]
+IMPLS: tuple[str, ...] = ("auto", "reference", "unfused", "triton")
 
 DEFAULT_CHUNKS = 1
+
+
+def _positive_int(owner: str, name: str, value, allow_none=False):
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{owner}: {name}={value!r} must be a positive int"
+                     + (" or None" if allow_none else ""))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+  """Tiles, pipelining and communication split of the fused GPU kernels."""
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int = 64
+  group_m: int = 8
+  num_warps: int = 8
+  num_stages: int = 3
+  chunks: int = 4      # communication chunks per shard (arrival granularity)
+  num_comm: int = 8    # CTAs that move data (the rest compute)
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      _positive_int("KernelConfig", f.name, getattr(self, f.name))
+    for f in ("block_m", "block_n", "block_k"):
+      v = getattr(self, f)
+      if v & (v - 1) or v < 16:
+        raise ValueError(f"KernelConfig: {f}={v} must be a power of two >= 16")
+    if self.num_warps not in (4, 8):
+      raise ValueError(f"KernelConfig: num_warps={self.num_warps} must be 4 or 8")
+
+  def smem_bytes(self, in_bytes: int, out_bytes: int) -> int:
+    """Shared memory of the GEMM pipeline plus the TMA-store epilogue."""
+    stage = (self.block_m * self.block_k + self.block_k * self.block_n) * in_bytes
+    return self.num_stages * stage + self.block_m * self.block_n * out_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OverlapConfig:
   """How a fused op runs.
 
-  impl: "auto" lets the dispatcher pick per platform (reference ring on
-    CPU/TPU; on GPUs the unfused program until a kernel beats it),
-    "reference" forces the chunked ppermute ring, "unfused" forces the plain
-    all_gather/psum_scatter + dot_general program.
-  chunks: pieces each shard is split into for communication (>= 1); None
-    lets the tuner choose.
+  impl: "auto" lets the dispatcher pick (reference ring on CPU/TPU; on
+    NVIDIA GPUs the Triton kernel where the tuner says it beats the unfused
+    program, else the unfused program), "reference" forces the chunked
+    ppermute ring, "unfused" the plain collective + dot_general program,
+    "triton" the GPU kernel (an error where it cannot run).
+  chunks: pieces each shard is split into by the reference ring (>= 1).
+  kernel: explicit GPU kernel config (else the tuner's).
+  timeout_s: bound on every cross-GPU wait of the kernels.
   """
   impl: Impl = "auto"
   chunks: int | None = None
+  kernel: KernelConfig | None = None
+  timeout_s: float = 10.0
 
   def __post_init__(self):
     if self.impl not in IMPLS:
       raise ValueError(f"OverlapConfig: impl={self.impl!r} is not one of {IMPLS}")
-    if self.chunks is not None and (
-        not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1):
-      raise ValueError(f"OverlapConfig: chunks={self.chunks!r} must be a positive int or None")
+    _positive_int("OverlapConfig", "chunks", self.chunks, allow_none=True)
+    if self.kernel is not None and not isinstance(self.kernel, KernelConfig):
+      raise TypeError(f"OverlapConfig: kernel must be a KernelConfig, got {type(self.kernel).__name__}")
+    if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600):
+      raise ValueError(f"OverlapConfig: timeout_s={self.timeout_s!r} must be in (0, 3600]")
 
 
 def resolve_chunks(config: OverlapConfig, rows: int) -> int:
-  """Chunk count actually used for a shard of `rows` rows (never more than rows)."""
+  """Chunk count the reference ring uses for a shard of `rows` rows (never more than rows)."""
   chunks = DEFAULT_CHUNKS if config.chunks is None else config.chunks
   return max(1, min(chunks, rows))

@@ -1,0 +1,123 @@
+"""The one call site of the Triton kernels: host-side set-up and `jax_triton.triton_call`.
+
+Builds, at trace time, everything a kernel needs that is per device: the
+symmetric workspace addresses of the GPUs in this device's group (as a
+constant table indexed by the group id computed from the other mesh axes),
+the device's rank (lax.axis_index) and the error-record address.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_autooverlap._compat import import_jax_triton
+from jax_autooverlap.runtime import workspace
+from jax_autooverlap.runtime.errors import register_op
+from jax_autooverlap.runtime.workspace import REGISTRY
+from jax_autooverlap.tuning.config import KernelConfig
+
+H100_CLASS_SMS = 132
+
+
+def _address_table(mesh, axis_name, world: int, addresses, err_address: int):
+  """uint32 [groups, 2*(world+1)]: (lo, hi) of each member's workspace, then the error record."""
+  ax = mesh.axis_names.index(axis_name)
+  flat_index = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  members = np.moveaxis(flat_index, ax, -1).reshape(-1, world)
+  table = np.zeros((members.shape[0], 2 * (world + 1)), np.uint32)
+  for g, row in enumerate(members):
+    for r, i in enumerate(row):
+      table[g, 2 * r], table[g, 2 * r + 1] = addresses[i] & 0xFFFFFFFF, addresses[i] >> 32
+    table[g, 2 * world], table[g, 2 * world + 1] = err_address & 0xFFFFFFFF, err_address >> 32
+  return table
+
+
+def _table_row(table, mesh, axis_name):
+  """This device's row of the table, built from scalar literals (no array constants, so
+  bodies of remat/custom_vjp that hold the call can be re-traced without captured consts)."""
+  rows = [jnp.stack([lax.full((), int(v), jnp.uint32) for v in row]) for row in table]
+  if len(rows) == 1:
+    return rows[0]
+  gid = jnp.int32(0)
+  for name in mesh.axis_names:
+    if name != axis_name:
+      gid = gid * mesh.shape[name] + lax.axis_index(name)
+  return lax.select_n(gid, *rows)
+
+
+def _vma(x):
+  return getattr(jax.typeof(x), "vma", frozenset())
+
+
+def _varying(x, axes):
+  axes = tuple(a for a in axes if a not in _vma(x))
+  return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
+                   return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
+                   compute_capability: int | None = None, out_init=None):
+  """The kernel call itself: a[m, K], b[K, N], table_row uint32[2*(world+1)], rank int32[1].
+
+  out_init (tests): an array aliased as the output buffer, e.g. NaN-poisoned, so
+  that elements the kernel fails to write stay visible.
+  """
+  jt = import_jax_triton()
+  from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
+
+  m, k = a.shape
+  n = b.shape[1]
+  tm = math.ceil(m / kernel.block_m)
+  tn = math.ceil(n / kernel.block_n)
+  tiles_per_chunk = math.ceil(tm / min(kernel.chunks, tm))
+  if math.ceil(tm / tiles_per_chunk) > workspace.MAX_CHUNKS:
+    tiles_per_chunk = math.ceil(tm / workspace.MAX_CHUNKS)
+  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
+  num_ctas = min(num_sms, num_comm + world * tm * tn)
+  gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
+  args = (a, b, table_row, rank)
+  aliases = None
+  if out_init is not None:  # passed as the kernel's out_ptr, aliased to output 0
+    args, aliases = args + (out_init,), {4: 0}
+  out, gathered = jt.triton_call(
+      *args, kernel=ag_gemm_kernel, name="ao_ag_gemm", input_output_aliases=aliases,
+      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type),
+      grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+      compute_capability=compute_capability,
+      M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
+      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m, TILES_PER_CHUNK=tiles_per_chunk,
+      NUM_COMM=num_comm, NUM_CTAS=num_ctas, COPY_COLS=128 if k % 128 == 0 else 64,
+      FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
+      MAX_CHUNKS=workspace.MAX_CHUNKS,
+      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+      RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+  return (out, gathered) if return_gathered else out
+
+
+def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_gathered: bool,
+            timeout_s: float, out_init=None):
+  """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]."""
+  world = mesh.shape[axis_name]
+  m, k = a.shape
+  devices = tuple(mesh.devices.flat)
+  from jax_autooverlap.runtime import cuda
+  num_sms = cuda.sm_count(devices[0].local_hardware_id)
+  itemsize = np.dtype(a.dtype).itemsize
+  addresses = REGISTRY.addresses(devices, workspace.required_bytes(world, m * k * itemsize))
+  table = _address_table(mesh, axis_name, world, addresses, REGISTRY.error_record().device_address)
+  row = _table_row(table, mesh, axis_name)
+  rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
+                      f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
+  res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
+                       return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
+                       op_id=op_id, out_init=out_init)
+  # jax-triton types its outputs as invariant; they vary like the inputs, and over the axis.
+  axes = tuple(sorted(_vma(a) | _vma(b) | {axis_name}))
+  if return_gathered:
+    return _varying(res[0], axes), _varying(res[1], axes)
+  return _varying(res, axes)

@@ -1,0 +1,1 @@
+"""Benchmarks (programs, not tests): `python -m jax_autooverlap.bench ag`."""

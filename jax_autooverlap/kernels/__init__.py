@@ -1,0 +1,1 @@
+"""Pure Triton kernels (no JAX imports); called only from backends/triton.py."""

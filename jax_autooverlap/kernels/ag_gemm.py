@@ -1,0 +1,137 @@
+"""Fused all-gather + GEMM: one persistent Triton kernel per GPU.
+
+    out[src*m + i, :] = a_src[i, :] @ b        for every rank src of the group
+
+Roles (grid <= number of SMs, one CTA per program):
+- CTAs [0, NUM_COMM) push this GPU's shard, one BLOCK_M-row unit at a time,
+  into every peer's gather buffer (plain loads/stores through peer pointers),
+  chunk by chunk; each unit bumps the peer's arrival counter of its chunk
+  (release, system scope).  With RETURN_GATHERED they then also copy every
+  shard, as it arrives, into the `gathered` output.
+- The other CTAs compute output tiles, local shard first (no waiting), then
+  the shards of rank-1, rank-2, ... (the order in which peers push to us),
+  each tile waiting (acquire, bounded) only for the chunk holding its rows.
+  The GEMM main loop reads A and B through TMA tensor descriptors.
+- The last CTA to finish zeroes this call's arrival counters and advances the
+  epoch (see runtime/workspace.py for why parity double-buffering is safe).
+No CTA ever waits for another CTA of its own GPU, so the kernel cannot
+deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
+"""
+import triton
+import triton.language as tl
+
+from jax_autooverlap.kernels.sync import signal_add, wait_at_least
+
+
+@triton.jit
+def _address(table_ptr, i):
+  """The i-th 64-bit address of a table stored as uint32 (lo, hi) pairs."""
+  lo = tl.load(table_ptr + 2 * i).to(tl.int64) & 0xFFFFFFFF
+  hi = tl.load(table_ptr + 2 * i + 1).to(tl.int64)
+  return (hi << 32) | lo
+
+
+@triton.jit
+def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+  """dst[row0:row0+BLOCK_R, :] = src[row0:row0+BLOCK_R, :] (rows < ROWS), row-major, COLS % BLOCK_C == 0."""
+  rows = row0 + tl.arange(0, BLOCK_R)
+  rmask = rows[:, None] < ROWS
+  for c0 in range(0, COLS, BLOCK_C):
+    cols = c0 + tl.arange(0, BLOCK_C)
+    offs = rows[:, None] * COLS + tl.max_contiguous(tl.multiple_of(cols, BLOCK_C), BLOCK_C)[None, :]
+    tl.store(dst + offs, tl.load(src + offs, mask=rmask), mask=rmask)
+
+
+@triton.jit
+def ag_gemm_kernel(
+    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
+    out_ptr, gathered_ptr,              # outputs
+    M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
+    COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
+):
+  dtype = a_ptr.dtype.element_ty
+  pid = tl.program_id(0)
+  rank = tl.load(rank_ptr)
+  ws = _address(table_ptr, rank)
+  err_addr = _address(table_ptr, WORLD)
+  header = ws.to(tl.pointer_type(tl.int32))
+  epoch = tl.load(header)
+  parity = epoch % 2
+  TM: tl.constexpr = (M_SHARD + BLOCK_M - 1) // BLOCK_M
+  TN: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  NCHUNK: tl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
+  SHARD: tl.constexpr = M_SHARD * K
+  my_flags = (ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) + parity * WORLD * MAX_CHUNKS
+  # 64-bit element offsets: world * shard elements can exceed 2**31.
+  my_bufs = (ws + BUF_OFF).to(tl.pointer_type(dtype)) + parity.to(tl.int64) * WORLD * SHARD
+
+  if pid < NUM_COMM:
+    # Push: unit u = (chunk, peer step, row tile) in chunk-major order.
+    UNITS: tl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
+    for u in range(pid, UNITS, NUM_COMM):
+      tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
+      if tm < TM:
+        peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
+        peer_ws = _address(table_ptr, peer)
+        dst = (peer_ws + BUF_OFF).to(tl.pointer_type(dtype)) \
+            + (parity * WORLD + rank).to(tl.int64) * SHARD
+        _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
+        peer_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
+            + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
+        signal_add(peer_flag, 1)
+    if RETURN_GATHERED:
+      for u in range(pid, WORLD * TM, NUM_COMM):
+        src = (rank + WORLD - u // TM) % WORLD
+        tm = u % TM
+        dst = tl.multiple_of(gathered_ptr + src.to(tl.int64) * SHARD, 16)
+        if src == rank:
+          _copy_rows(a_ptr, dst, tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
+        else:
+          c = tm // TILES_PER_CHUNK
+          wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                        err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+          _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
+                     BLOCK_M, COPY_COLS)
+  else:
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    PER_SRC: tl.constexpr = TM * TN
+    GROUP: tl.constexpr = GROUP_M * TN
+    for t in range(pid - NUM_COMM, WORLD * PER_SRC, NUM_CTAS - NUM_COMM):
+      src = (rank + WORLD - t // PER_SRC) % WORLD
+      l = t % PER_SRC
+      first_m = (l // GROUP) * GROUP_M
+      group_rows = tl.minimum(TM - first_m, GROUP_M)
+      tm = first_m + (l % GROUP) % group_rows
+      tn = (l % GROUP) // group_rows
+      if src == rank:
+        a_base = a_ptr
+      else:
+        c = tm // TILES_PER_CHUNK
+        wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                      err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+        a_base = my_bufs + src.to(tl.int64) * SHARD
+      a_desc = tl.make_tensor_descriptor(a_base, shape=[M_SHARD, K], strides=[K, 1],
+                                         block_shape=[BLOCK_M, BLOCK_K])
+      o_desc = tl.make_tensor_descriptor(out_ptr + src.to(tl.int64) * (M_SHARD * N),
+                                         shape=[M_SHARD, N],
+                                         strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+      acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+      for k in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([tm * BLOCK_M, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+
+  # The last CTA out resets this call's counters and advances the epoch.
+  tl.debug_barrier()
+  done = tl.atomic_add(header + 1, 1, sem="acq_rel", scope="gpu")
+  if done == NUM_CTAS - 1:
+    offs = tl.arange(0, FLAG_BLOCK)
+    tl.store(my_flags + offs, tl.zeros([FLAG_BLOCK], tl.int32), mask=offs < WORLD * MAX_CHUNKS)
+    tl.store(header + 1, 0)
+    tl.store(header, epoch + 1)
+

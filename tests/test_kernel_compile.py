@@ -1,0 +1,63 @@
+"""Compile-only checks of the GPU kernels on any machine (no GPU needed).
+
+Every kernel configuration the tuner can pick is lowered through jax-triton
+for sm_90a via jax.export; its PTX must hold the fast paths: wgmma tensor-core
+instructions, TMA bulk tensor copies, and the system-scope acquire/release
+operations of the cross-GPU protocol.
+"""
+import glob
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jaxlib.gpu_triton")
+gpu_triton = pytest.importorskip("jax._src.lib").gpu_triton
+if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
+  pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
+
+from jax_autooverlap.backends.triton import launch_ag_gemm  # noqa: E402
+from jax_autooverlap.tuning import select  # noqa: E402
+from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
+
+
+def _tuner_configs():
+  """(dtype, KernelConfig) pairs the tuner can return: defaults and every cached entry."""
+  out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16, np.float32)}
+  for key, entry in select._cache().items():
+    if entry.get("impl") == "triton":
+      out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
+  return sorted(out, key=str)
+
+
+def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered):
+  from jax_autooverlap._compat import import_jax_triton
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))  # read at import time
+  f = lambda a, b, row, rank: launch_ag_gemm(
+      a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, return_gathered=return_gathered,
+      timeout_s=1.0, num_sms=132, compute_capability=90)
+  specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
+           jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  files = glob.glob(str(tmp_path / "**" / "*.ptx"), recursive=True)
+  assert files, "no PTX was dumped"
+  return pathlib.Path(files[0]).read_text()
+
+
+@pytest.mark.parametrize("dtype_cfg", _tuner_configs(), ids=lambda dc: f"{dc[0]}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}")
+@pytest.mark.parametrize("shape", [(2048, 8192, 4096), (300, 1024, 640)], ids=["large", "ragged"])
+def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
+  dtype, cfg = dtype_cfg
+  m, k, n = shape
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2, return_gathered=(m == 300))
+  assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
+  assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
+  assert "ld.global.acquire.sys" in ptx, "consumer lost its system-scope acquire"
+  assert "sys.release" in ptx, "producer lost its system-scope release"
+  assert "%globaltimer" in ptx, "waits are no longer bounded"
+  assert "st.global.v4" in ptx or "st.global.v2" in ptx, "peer copies are not vectorised"
