@@ -35,7 +35,8 @@ def _mesh():
 def _pair(mesh, m_total, k, n_total, dtype):
   k1, k2 = jax.random.split(fresh_key())
   x = jax.device_put(randn(k1, (m_total, k), dtype), NamedSharding(mesh, P("x")))
-  w = jax.device_put(randn(k2, (k, n_total), dtype) / np.sqrt(k), NamedSharding(mesh, P(None, "x")))
+  w = jax.device_put((randn(k2, (k, n_total), np.float32) / np.sqrt(k)).astype(dtype),
+                     NamedSharding(mesh, P(None, "x")))
   return x, w
 
 

@@ -70,8 +70,9 @@ class WorkspaceRegistry:
       cur = self._current.get(key)
       if cur is None or cur.nbytes < nbytes:
         size = max(nbytes, 2 * cur.nbytes if cur else 0)
-        arrays = tuple(jnp.zeros((size,), jnp.uint8, device=d) for d in devices)
-        jax.block_until_ready(arrays)
+        with jax.ensure_compile_time_eval():  # we are usually inside a jit trace
+          arrays = tuple(jnp.zeros((size,), jnp.uint8, device=d) for d in devices)
+          jax.block_until_ready(arrays)
         if cur is not None:
           self._retired.append(cur)
         cur = self._current[key] = _Allocation(arrays, size)
