@@ -59,7 +59,7 @@ class ErrorRecord:
     lib = _lib()
     ctx = ctypes.c_void_p()
     _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), _device(ordinal)), "cuDevicePrimaryCtxRetain")
-    _check(lib.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    _check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
     try:
       host = ctypes.c_void_p()
       nbytes = 4 * ERROR_RECORD_INTS
@@ -67,10 +67,10 @@ class ErrorRecord:
                                 _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP),
              "cuMemHostAlloc")
       dptr = ctypes.c_uint64()
-      _check(lib.cuMemHostGetDevicePointer(ctypes.byref(dptr), host, 0),
+      _check(lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), host, 0),
              "cuMemHostGetDevicePointer")
     finally:
-      _check(lib.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+      _check(lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
     self._view = (ctypes.c_int32 * ERROR_RECORD_INTS).from_address(host.value)
     ctypes.memset(host.value, 0, nbytes)
     self.device_address = int(dptr.value)
