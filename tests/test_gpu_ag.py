@@ -79,15 +79,16 @@ def test_every_element_written_and_gathered_returned(shape):
   m_total, k, n_total = shape
   x, w = _pair(mesh, m_total, k, n_total, jnp.bfloat16)
 
-  def body(x, w):
-    poison = jnp.full((m_total, w.shape[1]), jnp.nan, jnp.bfloat16)
+  def body(x, w, poison):
     return tb.ag_gemm(x, w, axis_name="x", mesh=mesh, kernel=default_kernel(jnp.bfloat16),
                       out_dtype=jnp.bfloat16, return_gathered=True, timeout_s=10.0,
                       out_init=poison)
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x")),
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P(None, "x")),
                             out_specs=(P(None, "x"), P("x"))))
-  out, gathered = f(x, w)
+  poison = jax.device_put(jnp.full((m_total, n_total), jnp.nan, jnp.bfloat16),
+                          NamedSharding(mesh, P(None, "x")))
+  out, gathered = f(x, w, poison)
   assert not np.isnan(np.asarray(out, np.float32)).any(), "kernel left output elements unwritten"
   unfused, _ = _programs(mesh)
   assert_close(out, unfused(x, w), jnp.bfloat16)

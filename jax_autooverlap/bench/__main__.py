@@ -53,12 +53,13 @@ def _time_ms(fn, arg_sets, iters: int, batches: int = 5) -> float:
 def _versions():
   import jax
   import jaxlib
+  from jax_autooverlap._compat import import_jax_triton  # never import jax_triton unshimmed
   out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
-  for mod in ("triton", "jax_triton"):
-    try:
-      out[mod] = __import__(mod).__version__
-    except Exception as e:  # noqa: BLE001
-      out[mod] = f"unavailable ({type(e).__name__})"
+  try:
+    out["jax_triton"] = import_jax_triton().__version__
+    out["triton"] = __import__("triton").__version__
+  except Exception as e:  # noqa: BLE001
+    out["jax_triton"] = f"unavailable ({type(e).__name__}: {e})"
   return out
 
 
