@@ -8,12 +8,13 @@ Roles (grid <= number of SMs, one CTA per program):
   chunk by chunk; each unit bumps the peer's arrival counter of its chunk
   (release, system scope).  With RETURN_GATHERED they then also copy every
   shard, as it arrives, into the `gathered` output.
-- The other CTAs compute output tiles, local shard first (no waiting), then
-  the shards of rank-1, rank-2, ... (the order in which peers push to us),
-  each tile waiting (acquire, bounded) only for the chunk holding its rows.
-  The GEMM main loop reads A and B through TMA tensor descriptors.
-- The last CTA to finish zeroes this call's arrival counters and advances the
-  epoch (see runtime/workspace.py for why parity double-buffering is safe).
+- All CTAs (the movers once done) take output tiles from a per-call atomic
+  counter: local shard first (no waiting), then the shards of rank-1,
+  rank-2, ... (the order in which peers push to us), each tile waiting
+  (acquire, bounded) only for the chunk holding its rows.  The GEMM main
+  loop reads A and B through TMA tensor descriptors.
+- The last CTA to finish zeroes this call's counters and advances the epoch
+  (see runtime/workspace.py for why parity double-buffering is safe).
 No CTA ever waits for another CTA of its own GPU, so the kernel cannot
 deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
 """
@@ -97,34 +98,40 @@ def ag_gemm_kernel(
                         err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      BLOCK_M, COPY_COLS)
-  else:
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    PER_SRC: tl.constexpr = TM * TN
-    GROUP: tl.constexpr = GROUP_M * TN
-    for t in range(pid - NUM_COMM, WORLD * PER_SRC, NUM_CTAS - NUM_COMM):
-      src = (rank + WORLD - t // PER_SRC) % WORLD
-      l = t % PER_SRC
-      first_m = (l // GROUP) * GROUP_M
-      group_rows = tl.minimum(TM - first_m, GROUP_M)
-      tm = first_m + (l % GROUP) % group_rows
-      tn = (l % GROUP) // group_rows
-      if src == rank:
-        a_base = a_ptr
-      else:
-        c = tm // TILES_PER_CHUNK
-        wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                      err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
-        a_base = my_bufs + src.to(tl.int64) * SHARD
-      a_desc = tl.make_tensor_descriptor(a_base, shape=[M_SHARD, K], strides=[K, 1],
-                                         block_shape=[BLOCK_M, BLOCK_K])
-      o_desc = tl.make_tensor_descriptor(out_ptr + src.to(tl.int64) * (M_SHARD * N),
-                                         shape=[M_SHARD, N],
-                                         strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-      acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-      for k in range(0, K, BLOCK_K):
-        acc = tl.dot(a_desc.load([tm * BLOCK_M, k]), b_desc.load([k, tn * BLOCK_N]), acc)
-      o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+
+  # Output tiles are handed out by a per-call counter, in the order local
+  # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
+  # join when their pushes are done.  Each tile waits only for its chunk.
+  tile_counter = header + 2 + parity
+  b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                     block_shape=[BLOCK_K, BLOCK_N])
+  PER_SRC: tl.constexpr = TM * TN
+  GROUP: tl.constexpr = GROUP_M * TN
+  t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  while t < WORLD * PER_SRC:
+    src = (rank + WORLD - t // PER_SRC) % WORLD
+    l = t % PER_SRC
+    first_m = (l // GROUP) * GROUP_M
+    group_rows = tl.minimum(TM - first_m, GROUP_M)
+    tm = first_m + (l % GROUP) % group_rows
+    tn = (l % GROUP) // group_rows
+    if src == rank:
+      a_base = a_ptr
+    else:
+      c = tm // TILES_PER_CHUNK
+      wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                    err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+      a_base = my_bufs + src.to(tl.int64) * SHARD
+    a_desc = tl.make_tensor_descriptor(a_base, shape=[M_SHARD, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    o_desc = tl.make_tensor_descriptor(out_ptr + src.to(tl.int64) * (M_SHARD * N),
+                                       shape=[M_SHARD, N],
+                                       strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+      acc = tl.dot(a_desc.load([tm * BLOCK_M, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+    o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+    t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
   # The last CTA out resets this call's counters and advances the epoch.
   tl.debug_barrier()
@@ -132,6 +139,7 @@ def ag_gemm_kernel(
   if done == NUM_CTAS - 1:
     offs = tl.arange(0, FLAG_BLOCK)
     tl.store(my_flags + offs, tl.zeros([FLAG_BLOCK], tl.int32), mask=offs < WORLD * MAX_CHUNKS)
+    tl.store(tile_counter, 0)
     tl.store(header + 1, 0)
     tl.store(header, epoch + 1)
 

@@ -3,6 +3,7 @@
 Each GPU's workspace holds (byte offsets):
   0                  epoch: calls completed on this GPU (int32)
   4                  done: CTAs of the running call that finished (int32)
+  8                  tile counters int32[2 parity]: next output tile to hand out
   FLAGS_OFFSET       arrival counters int32[2 parity][world][MAX_CHUNKS]
   buffer_offset(w)   gather buffers [2 parity][world][rows x cols] elements
 
