@@ -111,7 +111,8 @@ def test_back_to_back_calls_and_scan_are_stable():
     def body(x, w):
       def step(acc, i):
         return acc + mm(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
-      return lax.scan(step, jnp.zeros((1024, 512), jnp.float32), jnp.arange(100))[0]
+      init = lax.pcast(jnp.zeros((1024, 512), jnp.float32), "x", to="varying")
+      return lax.scan(step, init, jnp.arange(100))[0]
     return body
 
   specs = (P("x"), P(None, "x"))
