@@ -117,10 +117,12 @@ def test_back_to_back_calls_and_scan_are_stable():
 
   specs = (P("x"), P(None, "x"))
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  scan_f = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")),
-                  overlap_config=TRITON)
+  scan_f = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")))
   scan_u = jax.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")))
-  assert "triton" in scan_f.explain(x, w).matches[0].impl
+  # With command buffers on, a loop body is captured into a CUDA graph, which jax-triton's TMA
+  # scratch cannot join: the dispatcher keeps the unfused program there and says why.
+  impl = scan_f.explain(x, w).matches[0].impl
+  assert impl.startswith("unfused") and "CUDA graph" in impl, impl
   assert_close(scan_f(x, w), scan_u(x, w), jnp.bfloat16)
 
 
@@ -157,11 +159,23 @@ def test_command_buffers_off():
     worst = jnp.maximum(worst, jnp.max(jnp.abs(f(x, w) - first).astype(jnp.float32)))
   want = np.asarray(u(x, w), np.float32)
   err = np.linalg.norm(np.asarray(first, np.float32) - want) / np.linalg.norm(want)
-  print("RESULT", float(worst), err)
+  def steps(mm):
+    def body(x, w):
+      def step(acc, i):
+        return acc + mm(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
+      init = lax.pcast(jnp.zeros((1024, 512), jnp.float32), "x", to="varying")
+      return lax.scan(step, init, jnp.arange(100))[0]
+    return body
+  sf = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")), overlap_config=cfg)
+  su = jax.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")))
+  print("SCAN_IMPL", sf.explain(x, w).matches[0].impl)
+  a, b = np.asarray(sf(x, w)), np.asarray(su(x, w))
+  print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
   """, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="})
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  worst, err = map(float, proc.stdout.split("RESULT")[1].split())
-  assert worst == 0.0 and err < 2e-2
+  assert "SCAN_IMPL triton kernel" in proc.stdout, proc.stdout[-2000:]
+  worst, err, scan_err = map(float, proc.stdout.split("RESULT")[1].split())
+  assert worst == 0.0 and err < 2e-2 and scan_err < 2e-2
 
 
 def test_missing_peer_times_out_with_error():

@@ -129,7 +129,7 @@ def _config(config: OverlapConfig | None) -> OverlapConfig:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, in_loop=None) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
@@ -159,6 +159,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     why = "axis of size 1: a plain matmul"
   elif batch != 1:
     why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
+  elif (context.in_loop() if in_loop is None else in_loop) and context.loop_kernels_blocked():
+    why = context.loop_kernels_blocked()
   else:
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     verdict = select.choose_ag(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
@@ -321,7 +323,7 @@ def matmul_rs(x, w, axis_name, *, scatter_dim: int = 0,
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
-             dtype, out_dtype, config: OverlapConfig, mesh) -> str:
+             dtype, out_dtype, config: OverlapConfig, mesh, in_loop: bool = False) -> str:
   """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
   dims = _Dims(dn, len(lhs_shape), len(rhs_shape))
   shapes = [list(lhs_shape), list(rhs_shape)]
@@ -337,6 +339,6 @@ def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_s
   if op == "ag_k":
     canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
   try:
-    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh)[2]
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, in_loop)[2]
   except ValueError as e:
     return f"error: {e}"
