@@ -14,8 +14,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   env | grep -E "NCCL|NVSHMEM|TORCH_SYMM|XLA" || true
 } 2>&1 | tee "$OUT/machine.log"
 if [[ $what == tests || $what == all ]]; then
-  timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_ag.py -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_ag.py -p no:cacheprovider -x ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout 480 python3 -m jax_autooverlap.bench ag --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench ag --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
