@@ -36,6 +36,12 @@ def fence_proxy_async():
 
 
 @triton.jit
+def fence_sys():
+  tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                            is_pure=False, pack=1)
+
+
+@triton.jit
 def trap():
   tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
                             pack=1)
@@ -64,7 +70,10 @@ def wait_at_least(ptr, expected, err_ptr, op_id, rank, src, chunk, timeout_ns: t
         tl.store(rec + 4, chunk)
         tl.store(rec + 5, seen)
         tl.store(rec + 6, expected)
-        tl.atomic_xchg(rec, ERR_TIMEOUT, sem="release", scope="sys")
+        # Plain store + full system fence (atomics to host memory over PCIe may be
+        # unsupported), so the record is in host memory before the trap kills us.
+        tl.store(rec, ERR_TIMEOUT)
+        fence_sys()
         trap()
   fence_proxy_async()
   tl.debug_barrier()
