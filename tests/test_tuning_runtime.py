@@ -1,0 +1,78 @@
+"""Tuner verdicts, kernel-config validation and the runtime's host-side layout (no GPU needed)."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_autooverlap as ao
+from jax_autooverlap.runtime import workspace
+from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning.config import KernelConfig
+
+H200 = "NVIDIA H200"
+
+
+def test_measured_cache_drives_the_choice():
+  cache = select._cache()
+  assert cache, "no measured tuning data shipped"
+  for key, entry in cache.items():
+    op, kind, world, shape, dtype = key.split("|")
+    m, k, n = map(int, shape.split("x"))
+    w = int(world[1:])
+    v = select.choose_ag(ao.OverlapConfig(), kind, w, m // w, k, n // w, dtype, dtype)
+    if entry["impl"] == "triton":
+      assert v.kernel == KernelConfig(**entry["kernel"]) and "measured" in v.reason
+      assert entry["ours_ms"] < entry["unfused_ms"]
+    else:
+      assert v.kernel is None and "measured" in v.reason
+
+
+def test_small_shapes_fall_back_and_unsupported_shapes_say_why():
+  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
+  assert v.kernel is None and "too small" in v.reason
+  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 1000, 4096, jnp.bfloat16, jnp.bfloat16)
+  assert v.kernel is None and "K=1000" in v.reason
+  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 4096, jnp.int8, jnp.int32)
+  assert v.kernel is None and "int8" in v.reason
+  big = KernelConfig(block_m=256, block_n=256, block_k=128, num_stages=4)
+  v = select.choose_ag(ao.OverlapConfig(kernel=big), H200, 2, 4096, 8192, 4096, jnp.bfloat16,
+                       jnp.bfloat16)
+  assert v.kernel is None and "shared memory" in v.reason
+
+
+def test_kernel_config_validation():
+  with pytest.raises(ValueError, match="block_n=96"):
+    KernelConfig(block_n=96)
+  with pytest.raises(ValueError, match="num_warps=2"):
+    KernelConfig(num_warps=2)
+  with pytest.raises(ValueError, match="chunks=0"):
+    KernelConfig(chunks=0)
+  with pytest.raises(TypeError, match="KernelConfig"):
+    ao.OverlapConfig(kernel={"block_m": 64})
+  with pytest.raises(ValueError, match="timeout_s"):
+    ao.OverlapConfig(timeout_s=0)
+
+
+def test_impl_triton_off_gpu_is_an_error():
+  from jax_autooverlap.ops.api import plan
+  with pytest.raises(ValueError, match="needs the concrete mesh"):
+    plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, (1, 8, 64, 8), np.float32, np.float32)
+
+
+def test_workspace_layout_and_address_table():
+  from types import SimpleNamespace
+  from jax_autooverlap.backends.triton import _address_table
+  assert workspace.buffer_offset(2) % 1024 == 0
+  assert workspace.buffer_offset(8) >= workspace.FLAGS_OFFSET + workspace.flags_bytes(8)
+  assert workspace.required_bytes(2, 1 << 20) == workspace.buffer_offset(2) + 4 * (1 << 20)
+  devices = np.arange(8).reshape(2, 4)  # mesh ("a", "x"), gathering over "x"
+  mesh = SimpleNamespace(axis_names=("a", "x"), devices=devices)
+  addresses = [(i + 1) << 33 | 0x1234 for i in range(8)]
+  table = _address_table(mesh, "x", 4, addresses, err_address=(99 << 32) | 7)
+  assert table.shape == (2, 10) and table.dtype == np.uint32
+  for g in range(2):
+    for r in range(4):
+      addr = int(table[g, 2 * r]) | int(table[g, 2 * r + 1]) << 32
+      assert addr == addresses[devices[g, r]]
+    assert int(table[g, 8]) | int(table[g, 9]) << 32 == (99 << 32) | 7
