@@ -18,28 +18,36 @@ gpu_triton = pytest.importorskip("jax._src.lib").gpu_triton
 if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
-from jax_autooverlap.backends.triton import launch_ag_gemm  # noqa: E402
+from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
 
 
-def _tuner_configs():
-  """(dtype, KernelConfig) pairs the tuner can return: defaults and every cached entry."""
+def _tuner_configs(op):
+  """(dtype, KernelConfig) pairs the tuner can return for op: defaults and every cached entry."""
   out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16, np.float32)}
   for key, entry in select._cache().items():
-    if entry.get("impl") == "triton":
+    if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
   return sorted(out, key=str)
 
 
-def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered):
+_ID = lambda dc: f"{dc[0]}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}-c{dc[1].chunks}-m{dc[1].num_comm}"
+
+
+def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag"):
   from jax_autooverlap._compat import import_jax_triton
   import_jax_triton()
   from jax_triton import triton_lib
   monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))  # read at import time
-  f = lambda a, b, row, rank: launch_ag_gemm(
-      a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, return_gathered=return_gathered,
-      timeout_s=1.0, num_sms=132, compute_capability=90)
+  if op == "ag":
+    f = lambda a, b, row, rank: launch_ag_gemm(
+        a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, return_gathered=return_gathered,
+        timeout_s=1.0, num_sms=132, compute_capability=90)
+  else:
+    f = lambda a, b, row, rank: launch_gemm_rs(
+        a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, timeout_s=1.0, num_sms=132,
+        compute_capability=90)
   specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
            jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
   jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
@@ -49,7 +57,7 @@ def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered):
   return pathlib.Path(files[0]).read_text()
 
 
-@pytest.mark.parametrize("dtype_cfg", _tuner_configs(), ids=lambda dc: f"{dc[0]}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}")
+@pytest.mark.parametrize("dtype_cfg", _tuner_configs("ag"), ids=_ID)
 @pytest.mark.parametrize("shape", [(2048, 8192, 4096), (300, 1024, 640)], ids=["large", "ragged"])
 def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
   dtype, cfg = dtype_cfg
@@ -61,3 +69,17 @@ def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
   assert "st.global.v4" in ptx or "st.global.v2" in ptx, "peer copies are not vectorised"
+
+
+@pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
+@pytest.mark.parametrize("shape", [(4096, 4096, 8192), (600, 1024, 640)], ids=["large", "ragged"])
+def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
+  dtype, cfg = dtype_cfg
+  m, k, n = shape
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
+             return_gathered=False, op="rs")
+  assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
+  assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
+  assert "ld.global.acquire.sys" in ptx, "owner lost its system-scope acquire"
+  assert "sys.release" in ptx, "producer lost its system-scope release"
+  assert "%globaltimer" in ptx, "waits are no longer bounded"

@@ -95,26 +95,78 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   return (out, gathered) if return_gathered else out
 
 
+def _group(mesh, axis_name, workspace_bytes: int):
+  """Per-device set-up shared by the kernels: (table row, rank, world, SM count)."""
+  from jax_autooverlap.runtime import cuda
+  world = mesh.shape[axis_name]
+  devices = tuple(mesh.devices.flat)
+  addresses = REGISTRY.addresses(devices, workspace_bytes)
+  table = _address_table(mesh, axis_name, world, addresses, REGISTRY.error_record().device_address)
+  rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  return _table_row(table, mesh, axis_name), rank, world, cuda.sm_count(devices[0].local_hardware_id)
+
+
+def _as_varying_like(x, inputs, axis_name):
+  # jax-triton types its outputs as invariant; they vary like the inputs, and over the axis.
+  axes = set().union(*(_vma(i) for i in inputs)) | {axis_name}
+  return _varying(x, tuple(sorted(axes)))
+
+
 def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_gathered: bool,
             timeout_s: float, poison: bool = False):
   """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]."""
-  world = mesh.shape[axis_name]
   m, k = a.shape
-  devices = tuple(mesh.devices.flat)
-  from jax_autooverlap.runtime import cuda
-  num_sms = cuda.sm_count(devices[0].local_hardware_id)
-  itemsize = np.dtype(a.dtype).itemsize
-  addresses = REGISTRY.addresses(devices, workspace.required_bytes(world, m * k * itemsize))
-  table = _address_table(mesh, axis_name, world, addresses, REGISTRY.error_record().device_address)
-  row = _table_row(table, mesh, axis_name)
-  rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  world = mesh.shape[axis_name]
+  shard_bytes = m * k * np.dtype(a.dtype).itemsize
+  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, shard_bytes))
   op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
   res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
                        return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
                        op_id=op_id, poison=poison)
-  # jax-triton types its outputs as invariant; they vary like the inputs, and over the axis.
-  axes = tuple(sorted(_vma(a) | _vma(b) | {axis_name}))
   if return_gathered:
-    return _varying(res[0], axes), _varying(res[1], axes)
-  return _varying(res, axes)
+    return tuple(_as_varying_like(r, (a, b), axis_name) for r in res)
+  return _as_varying_like(res, (a, b), axis_name)
+
+
+def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
+                   timeout_s: float, num_sms: int, op_id: int = 0,
+                   compute_capability: int | None = None, poison: bool = False):
+  """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group)."""
+  jt = import_jax_triton()
+  from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
+
+  m, k = a.shape
+  n = b.shape[1]
+  m_out = m // world
+  tm = math.ceil(m_out / kernel.block_m)
+  tn = math.ceil(n / kernel.block_n)
+  tiles_per_chunk = max(math.ceil(tm / min(kernel.chunks, tm)), math.ceil(tm / workspace.MAX_CHUNKS))
+  num_ctas = min(num_sms, world * tm * tn)
+  return jt.triton_call(
+      a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
+      zeroed_outputs=(0,) if poison else (),
+      out_type=jax.ShapeDtypeStruct((m_out, n), out_dtype),
+      grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+      compute_capability=compute_capability,
+      M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
+      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m, TILES_PER_CHUNK=tiles_per_chunk,
+      NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
+      MAX_CHUNKS=workspace.MAX_CHUNKS,
+      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+
+
+def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s: float,
+            poison: bool = False):
+  """psum_scatter(a @ b, rows) on a group of GPUs; a[M, K], b[K, N] per device -> [M/world, N]."""
+  m, k = a.shape
+  n = b.shape[1]
+  world = mesh.shape[axis_name]
+  slot_bytes = (m // world) * n * np.dtype(out_dtype).itemsize
+  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, slot_bytes))
+  op_id = register_op(f"matmul_rs over axis {axis_name!r} (world {world}, a{[m, k]} @ "
+                      f"b{[k, n]}, {np.dtype(a.dtype).name})")
+  out = launch_gemm_rs(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
+                       timeout_s=timeout_s, num_sms=num_sms, op_id=op_id, poison=poison)
+  return _as_varying_like(out, (a, b), axis_name)

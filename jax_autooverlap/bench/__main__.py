@@ -1,6 +1,6 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
-    python -m jax_autooverlap.bench ag [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -172,7 +172,66 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   return world, res
 
 
-def bench_windowed(m, k, n, dtype_name, iters):
+def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
+  """psum_scatter(x @ w, rows): x[M, K/world], w[K/world, N] per device -> out[M/world, N]."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jax_autooverlap as ao
+
+  dtype = jnp.dtype(dtype_name)
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  world = len(gpus)
+  mesh = jax.make_mesh((world,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
+  arg_sets = []
+  for s_ in range(3):
+    k1, k2 = jax.random.split(jax.random.key(200 + s_))
+    x = jax.device_put(jax.random.normal(k1, (m, k), np.float32).astype(dtype),
+                       NamedSharding(mesh, P(None, "x")))
+    w = jax.device_put((jax.random.normal(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype),
+                       NamedSharding(mesh, P("x")))
+    arg_sets.append((x, w))
+  specs, out_spec = (P(None, "x"), P("x")), P("x")
+  rs = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+  smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
+  res = {}
+  unfused = jax.jit(smap(rs))
+  want = unfused(*arg_sets[0])
+  res["unfused"] = (_time_ms(unfused, arg_sets, iters), {})
+  _log(f"rs {m}x{k}x{n} unfused {res['unfused'][0]:.3f} ms")
+  best = None
+  for cfg in kernel_sweep:
+    fused = ao.jit(smap(rs), overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
+    try:
+      got = fused(*arg_sets[0])
+      err = _rel_err(got, want)
+      repeat = bool(np.array_equal(np.asarray(got), np.asarray(fused(*arg_sets[0]))))
+      t = _time_ms(fused, arg_sets, iters)
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    _log(f"  ours chunks={cfg.chunks} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms "
+         f"(rel err {err:.1e}, bit-identical repeat {repeat})")
+    if err > 2e-2 or not repeat:
+      _log("  -> wrong or non-deterministic result, not counted")
+      continue
+    if best is None or t < best[0]:
+      best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
+  if best is not None:
+    res["ours"] = best
+  gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=specs, out_specs=P("x")))
+  res["gemm_alone"] = (_time_ms(gemm, arg_sets, iters), {})
+  nbytes = (world - 1) * (m // world) * n * dtype.itemsize
+  src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
+  res["transfer_alone"] = (_time_ms(lambda a: jax.device_put(a, gpus[0]), [(a,) for a in src],
+                                    iters), {"bytes": nbytes})
+  return world, res
+
+
+def bench_windowed(m, k, n, dtype_name, iters, op="ag"):
   """GSPMD matmul with x row-sharded and w column-sharded (run with the windowed-einsum flags)."""
   import jax
   import jax.numpy as jnp
@@ -180,11 +239,16 @@ def bench_windowed(m, k, n, dtype_name, iters):
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   mesh = jax.make_mesh((len(gpus),), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
   arg_sets = _inputs(mesh, m, k, n, jnp.dtype(dtype_name))
-  f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(None, "x")))
+  if op == "rs":  # contracting dim sharded, result row-sharded: a reduce-scatter
+    arg_sets = [(jax.device_put(x, NamedSharding(mesh, P(None, "x"))),
+                 jax.device_put(w, NamedSharding(mesh, P("x")))) for x, w in arg_sets]
+    f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("x")))
+  else:
+    f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(None, "x")))
   return _time_ms(f, arg_sets, iters)
 
 
-def _write_tuning_cache(path, records, dtype):
+def _write_tuning_cache(path, records, dtype, op):
   """Measured verdicts for tuning/data/: the kernel where it beat the unfused program."""
   from jax_autooverlap.tuning.select import cache_key
   by_shape = {}
@@ -192,7 +256,7 @@ def _write_tuning_cache(path, records, dtype):
     by_shape.setdefault((r["m"], r["k"], r["n"], r["world_size"], r["gpu"]), {})[r["impl"]] = r
   cache = {}
   for (m, k, n, world, gpu), impls in sorted(by_shape.items()):
-    key = cache_key("ag", gpu.replace("-", " "), world, m, k, n, dtype)
+    key = cache_key(op, gpu.replace("-", " "), world, m, k, n, dtype)
     ours, unfused = impls.get("ours"), impls["unfused"]
     if ours is not None and ours["median_ms"] < unfused["median_ms"]:
       cache[key] = {"impl": "triton", "kernel": ours["kernel"], "ours_ms": ours["median_ms"],
@@ -211,7 +275,7 @@ def _gpu_name():
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench")
-  ap.add_argument("op", choices=["ag"])
+  ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--iters", type=int, default=20)
@@ -222,7 +286,7 @@ def main(argv=None):
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
 
   if args.windowed_only:  # child process: XLA flags are process-wide
-    print(json.dumps({f"{m}x{k}x{n}": bench_windowed(m, k, n, args.dtype, args.iters)
+    print(json.dumps({f"{m}x{k}x{n}": bench_windowed(m, k, n, args.dtype, args.iters, args.op)
                       for m, k, n in shapes}))
     return 0
 
@@ -235,13 +299,14 @@ def main(argv=None):
   base = default_kernel(args.dtype)
   sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "num_comm": nc})
            for c, nc in ((4, 8), (4, 16), (8, 16), (8, 32))]
+  rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c}) for c in (4, 16)]
   date = datetime.date.today().isoformat()
   gpu, versions = _gpu_name(), _versions()
   records, windowed = [], {}
   if not args.no_rivals:
     _log("xla_windowed (separate process)")
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS))
-    proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", "ag", "--windowed-only",
+    proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", args.op, "--windowed-only",
                            "--shapes", args.shapes, "--dtype", args.dtype, "--iters",
                            str(args.iters)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode == 0:
@@ -250,12 +315,15 @@ def main(argv=None):
       _log(f"xla_windowed failed: {proc.stderr[-500:]}")
   rows = []
   for m, k, n in shapes:
-    world, res = bench_ag_shape(m, k, n, args.dtype, args.iters, sweep, rivals=not args.no_rivals)
+    if args.op == "ag":
+      world, res = bench_ag_shape(m, k, n, args.dtype, args.iters, sweep, rivals=not args.no_rivals)
+    else:
+      world, res = bench_rs_shape(m, k, n, args.dtype, args.iters, rs_sweep)
     if f"{m}x{k}x{n}" in windowed:
       res["xla_windowed"] = (windowed[f"{m}x{k}x{n}"], {"xla_flags": WINDOWED_FLAGS})
     floor = max(res["gemm_alone"][0], res["transfer_alone"][0])
     for impl, (ms, extra) in res.items():
-      records.append({"op": "ag", "m": m, "k": k, "n": n, "dtype": args.dtype, "world_size": world,
+      records.append({"op": args.op, "m": m, "k": k, "n": n, "dtype": args.dtype, "world_size": world,
                       "impl": impl, "median_ms": round(ms, 4), "gpu": gpu, "versions": versions,
                       "date": date, "floor_ms": round(floor, 4), **extra})
     get = lambda i: res[i][0] if i in res else float("nan")
@@ -264,12 +332,13 @@ def main(argv=None):
                  get("ours") / floor, get("unfused") / get("ours")))
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"{gpu}-x{world}-{date}-ag.json"
+  path = out_dir / f"{gpu}-x{world}-{date}-{args.op}.json"
   path.write_text(json.dumps(records, indent=1))
-  _write_tuning_cache(out_dir / "tuning-ag.json", records, args.dtype)
+  _write_tuning_cache(out_dir / f"tuning-{args.op}.json", records, args.dtype, args.op)
   head = ("shape MxKxN", "unfused", "xla_win", "pallas", "ours", "gemm", "xfer", "floor",
           "ours/floor", "speedup")
-  print(f"AllGather+GEMM, {args.dtype}, {world}x {gpu}, ms (median of 5 batches of {args.iters})")
+  title = "AllGather+GEMM" if args.op == "ag" else "GEMM+ReduceScatter"
+  print(f"{title}, {args.dtype}, {world}x {gpu}, ms (median of 5 batches of {args.iters})")
   print("  ".join(f"{h:>11}" for h in head))
   for r in rows:
     print("  ".join([f"{r[0]:>11}"] + [f"{v:>11.3f}" for v in r[1:]]))

@@ -21,15 +21,7 @@ deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
 import triton
 import triton.language as tl
 
-from jax_autooverlap.kernels.sync import signal_add, wait_at_least
-
-
-@triton.jit
-def _address(table_ptr, i):
-  """The i-th 64-bit address of a table stored as uint32 (lo, hi) pairs."""
-  lo = tl.load(table_ptr + 2 * i).to(tl.int64) & 0xFFFFFFFF
-  hi = tl.load(table_ptr + 2 * i + 1).to(tl.int64)
-  return (hi << 32) | lo
+from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
 
 
 @triton.jit
@@ -58,8 +50,8 @@ def ag_gemm_kernel(
   dtype = a_ptr.dtype.element_ty
   pid = tl.program_id(0)
   rank = tl.load(rank_ptr)
-  ws = _address(table_ptr, rank)
-  err_addr = _address(table_ptr, WORLD)
+  ws = table_address(table_ptr, rank)
+  err_addr = table_address(table_ptr, WORLD)
   header = ws.to(tl.pointer_type(tl.int32))
   epoch = tl.load(header)
   parity = epoch % 2
@@ -78,7 +70,7 @@ def ag_gemm_kernel(
       tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
       if tm < TM:
         peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
-        peer_ws = _address(table_ptr, peer)
+        peer_ws = table_address(table_ptr, peer)
         dst = (peer_ws + BUF_OFF).to(tl.pointer_type(dtype)) \
             + (parity * WORLD + rank).to(tl.int64) * SHARD
         _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
@@ -133,13 +125,4 @@ def ag_gemm_kernel(
     o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
-  # The last CTA out resets this call's counters and advances the epoch.
-  tl.debug_barrier()
-  done = tl.atomic_add(header + 1, 1, sem="acq_rel", scope="gpu")
-  if done == NUM_CTAS - 1:
-    offs = tl.arange(0, FLAG_BLOCK)
-    tl.store(my_flags + offs, tl.zeros([FLAG_BLOCK], tl.int32), mask=offs < WORLD * MAX_CHUNKS)
-    tl.store(tile_counter, 0)
-    tl.store(header + 1, 0)
-    tl.store(header, epoch + 1)
-
+  finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

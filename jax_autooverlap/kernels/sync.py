@@ -77,3 +77,29 @@ def wait_at_least(ptr, expected, err_ptr, op_id, rank, src, chunk, timeout_ns: t
         trap()
   fence_proxy_async()
   tl.debug_barrier()
+
+
+@triton.jit
+def table_address(table_ptr, i):
+  """The i-th 64-bit address of a table stored as uint32 (lo, hi) pairs."""
+  lo = tl.load(table_ptr + 2 * i).to(tl.int64) & 0xFFFFFFFF
+  hi = tl.load(table_ptr + 2 * i + 1).to(tl.int64)
+  return (hi << 32) | lo
+
+
+@triton.jit
+def finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS: tl.constexpr,
+                NUM_FLAGS: tl.constexpr, FLAG_BLOCK: tl.constexpr):
+  """The last CTA out zeroes this call's counters and advances the epoch.
+
+  Safe because every CTA of this call has finished reading them, and peers
+  write this parity slot again only after this GPU has run its next call.
+  """
+  tl.debug_barrier()
+  done = tl.atomic_add(header + 1, 1, sem="acq_rel", scope="gpu")
+  if done == NUM_CTAS - 1:
+    offs = tl.arange(0, FLAG_BLOCK)
+    tl.store(my_flags + offs, tl.zeros([FLAG_BLOCK], tl.int32), mask=offs < NUM_FLAGS)
+    tl.store(tile_counter, 0)
+    tl.store(header + 1, 0)
+    tl.store(header, epoch + 1)

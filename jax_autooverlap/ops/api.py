@@ -151,8 +151,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     return "reference", None, f"reference ring (chunked ppermute) on {platform}"
   batch, rows, k, cols = canonical
   why = None
-  if op != "ag_rows":
-    why = "no GPU kernel for this op yet"
+  if op == "ag_k":
+    why = "no GPU kernel for contracting-dim gathers yet"
   elif dtype is None:
     why = "operands of different dtypes"
   elif axis_size == 1:
@@ -163,7 +163,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     why = context.loop_kernels_blocked()
   else:
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
-    verdict = select.choose_ag(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
+    choose = select.choose_ag if op == "ag_rows" else select.choose_rs
+    verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
     if verdict.kernel is not None:
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
           f"triton kernel ({verdict.reason})"
@@ -171,6 +172,20 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, f"unfused program on gpu ({why})"
+
+
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh,
+                return_gathered=False):
+  """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config)."""
+  ring = RingParams(axis_name=ring.axis_name, axis_size=ring.axis_size, chunks=ring.chunks,
+                    precision=ring.precision, out_dtype=np.dtype(out_dtype))
+  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
+  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
+    config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
+  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh)
+  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
+                          config=config)
 
 
 def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_gathered=False):
@@ -181,8 +196,10 @@ def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype)
-  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu)
+  mesh = context.current_mesh()
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh)
+  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
+                          config=config, mesh=mesh)
 
 
 # --- ag_matmul -------------------------------------------------------------------

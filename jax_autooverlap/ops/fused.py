@@ -40,12 +40,17 @@ class CoreParams:
   impl: str  # resolved: "reference" | "unfused" | "triton" | "platform" (decided at lowering)
   return_gathered: bool = False
   gpu: GpuPlan | None = None
+  config: Any = None  # the op's OverlapConfig, for planning the dual op of the backward pass
+  mesh: Any = None
 
-  def with_dtype(self, dtype, return_gathered=False):
-    # The dual op of a backward pass has other shapes: it gets no kernel plan
-    # of its own yet and runs the same-platform default.
-    impl = "unfused" if self.impl == "triton" else self.impl
-    return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), impl, return_gathered)
+  def dual(self, op, a, b, dtype, return_gathered=False):
+    """Params of the dual op run by the backward pass on operands a, b."""
+    from jax_autooverlap.ops.api import dual_params  # api builds on this module
+    mesh = self.mesh if self.mesh is not None else (self.gpu.mesh if self.gpu else None)
+    if self.config is None:
+      return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), "platform",
+                        return_gathered)
+    return dual_params(op, a, b, self.ring, self.config, dtype, mesh, return_gathered)
 
 
 def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams, gpu_fn=None, need_gathered=True):
@@ -101,7 +106,8 @@ def _ag_rows_fwd(a, b, cp):
 def _ag_rows_bwd(cp, res, ct):
   gathered, b = res
   dout, dgathered = ct if cp.return_gathered else (ct, None)
-  da = rs_rows(dout, _mT(b), cp.with_dtype(gathered.dtype))
+  bT = _mT(b)
+  da = rs_rows(dout, bT, cp.dual("rs_rows", dout, bT, gathered.dtype))
   if dgathered is not None:
     da = da + lax.psum_scatter(dgathered, cp.ring.axis_name, scatter_dimension=1, tiled=True)
   db = _local_bmm(gathered, dout, ((1,), (1,)), b.dtype, cp.ring.precision)
@@ -128,7 +134,8 @@ def _ag_k_bwd(cp, res, ct):
   a, gathered = res
   dout, dgathered = ct if cp.return_gathered else (ct, None)
   da = _local_bmm(dout, gathered, ((2,), (2,)), a.dtype, cp.ring.precision)
-  db = rs_rows(_mT(a), dout, cp.with_dtype(gathered.dtype))
+  aT = _mT(a)
+  db = rs_rows(aT, dout, cp.dual("rs_rows", aT, dout, gathered.dtype))
   if dgathered is not None:
     db = db + lax.psum_scatter(dgathered, cp.ring.axis_name, scatter_dimension=1, tiled=True)
   return da, db
@@ -139,9 +146,16 @@ ag_k.defvjp(_ag_k_fwd, _ag_k_bwd)
 
 # --- psum_scatter(a @ b, rows) -----------------------------------------------
 
+def _rs_rows_triton(a, b, cp: CoreParams, need_gathered: bool):
+  from jax_autooverlap.backends import triton as triton_backend
+  return triton_backend.gemm_rs(
+      a[0], b[0], axis_name=cp.ring.axis_name, mesh=cp.gpu.mesh, kernel=cp.gpu.kernel,
+      out_dtype=cp.ring.out_dtype, timeout_s=cp.gpu.timeout_s)[None]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rs_rows(a, b, cp: CoreParams):
-  return _dispatch(ref.rs_rows_ring, ref.rs_rows_unfused, a, b, cp)
+  return _dispatch(ref.rs_rows_ring, ref.rs_rows_unfused, a, b, cp, _rs_rows_triton)
 
 
 def _rs_rows_fwd(a, b, cp):
@@ -150,7 +164,8 @@ def _rs_rows_fwd(a, b, cp):
 
 def _rs_rows_bwd(cp, res, dout):
   a, b = res
-  da, gathered_dout = ag_rows(dout, _mT(b), cp.with_dtype(a.dtype, return_gathered=True))
+  bT = _mT(b)
+  da, gathered_dout = ag_rows(dout, bT, cp.dual("ag_rows", dout, bT, a.dtype, return_gathered=True))
   db = _local_bmm(a, gathered_dout, ((1,), (1,)), b.dtype, cp.ring.precision)
   return da, db
 

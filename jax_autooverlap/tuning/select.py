@@ -59,6 +59,30 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
   return None
 
 
+def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: int, n: int,
+              dtype, out_dtype) -> Verdict:
+  """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n].
+
+  Only measured wins (or an explicit request) select this kernel: there is no
+  heuristic for it yet.
+  """
+  explicit = config.kernel
+  cfg = explicit or default_kernel(dtype)
+  why_not = unsupported(m // world, k, n, dtype, out_dtype, cfg)
+  if why_not is None and m % world:
+    why_not = f"M={m} is not divisible by the axis size {world}"
+  if why_not:
+    return Verdict(None, why_not)
+  if explicit is not None or config.impl == "triton":
+    return Verdict(cfg, "explicit config" if explicit else "impl='triton'")
+  hit = _cache().get(cache_key("rs", device_kind, world, m, k * world, n, dtype))
+  if hit is not None and hit.get("impl") == "triton":
+    return Verdict(KernelConfig(**hit["kernel"]), "measured: fused kernel faster")
+  if hit is not None:
+    return Verdict(None, "measured: unfused faster")
+  return Verdict(None, "GEMM+RS kernel not measured for this shape")
+
+
 def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int, k: int, n: int,
               dtype, out_dtype) -> Verdict:
   """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]."""
