@@ -20,7 +20,10 @@ def test_measured_cache_drives_the_choice():
     op, kind, world, shape, dtype = key.split("|")
     m, k, n = map(int, shape.split("x"))
     w = int(world[1:])
-    v = select.choose_ag(ao.OverlapConfig(), kind, w, m // w, k, n // w, dtype, dtype)
+    if op == "ag":  # per device: a[M/w, K] gathered, b[K, N/w]
+      v = select.choose_ag(ao.OverlapConfig(), kind, w, m // w, k, n // w, dtype, dtype)
+    else:  # per device: a[M, K/w], b[K/w, N]
+      v = select.choose_rs(ao.OverlapConfig(), kind, w, m, k // w, n, dtype, dtype)
     if entry["impl"] == "triton":
       assert v.kernel == KernelConfig(**entry["kernel"]) and "measured" in v.reason
       assert entry["ours_ms"] < entry["unfused_ms"]
