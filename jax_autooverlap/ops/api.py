@@ -174,18 +174,22 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   return "unfused", None, f"unfused program on gpu ({why})"
 
 
-def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh,
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, in_loop,
                 return_gathered=False):
-  """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config)."""
+  """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config).
+
+  The backward pass is traced later, outside the forward's context: whether the
+  op sits in a loop body (a transposed scan is a loop too) comes from the forward.
+  """
   ring = RingParams(axis_name=ring.axis_name, axis_size=ring.axis_size, chunks=ring.chunks,
                     precision=ring.precision, out_dtype=np.dtype(out_dtype))
   canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
     config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
-  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh)
+  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh, in_loop)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config)
+                          config=config, mesh=mesh, in_loop=in_loop)
 
 
 def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_gathered=False):
@@ -196,10 +200,10 @@ def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  mesh = context.current_mesh()
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh)
+  mesh, in_loop = context.current_mesh(), context.in_loop()
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh, in_loop)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh)
+                          config=config, mesh=mesh, in_loop=in_loop)
 
 
 # --- ag_matmul -------------------------------------------------------------------

@@ -42,6 +42,7 @@ class CoreParams:
   gpu: GpuPlan | None = None
   config: Any = None  # the op's OverlapConfig, for planning the dual op of the backward pass
   mesh: Any = None
+  in_loop: bool = False
 
   def dual(self, op, a, b, dtype, return_gathered=False):
     """Params of the dual op run by the backward pass on operands a, b."""
@@ -50,7 +51,8 @@ class CoreParams:
     if self.config is None:
       return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), "platform",
                         return_gathered)
-    return dual_params(op, a, b, self.ring, self.config, dtype, mesh, return_gathered)
+    return dual_params(op, a, b, self.ring, self.config, dtype, mesh, self.in_loop,
+                       return_gathered)
 
 
 def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams, gpu_fn=None, need_gathered=True):
