@@ -105,3 +105,81 @@ def test_training_step_two_layer_mlp():
   for g, r in zip(got, want):
     assert_close(g, r, jnp.bfloat16)
   assert_close(fused(x, w1, w2), jax.jit(block)(x, w1, w2), jnp.bfloat16)
+
+
+def test_scan_with_command_buffers_on_keeps_unfused_program():
+  mesh = _mesh()
+  x, w = _pair(mesh, 1024, 2048, 1024, jnp.bfloat16)
+
+  def body(x, w):
+    def step(acc, i):
+      return acc + RS(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
+    init = lax.pcast(jnp.zeros((512, 1024), jnp.float32), "x", to="varying")
+    return lax.scan(step, init, jnp.arange(100))[0]
+
+  unfused, fused = _programs(mesh, body, config=ao.OverlapConfig())
+  impl = fused.explain(x, w).matches[0].impl
+  assert impl.startswith("unfused") and "CUDA graph" in impl, impl
+  assert_close(fused(x, w), unfused(x, w), jnp.bfloat16)
+
+
+_RS_PRELUDE = """
+x = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+w = jax.device_put(w, NamedSharding(mesh, P("x")))
+RS = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+kw = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
+"""
+
+
+def test_command_buffers_off_repeat_calls_and_scan():
+  from test_gpu_ag import _run
+  proc = _run(_RS_PRELUDE + """
+cfg = ao.OverlapConfig(impl="triton")
+f = ao.jit(jax.shard_map(RS, **kw), overlap_config=cfg)
+u = jax.jit(jax.shard_map(RS, **kw))
+first = f(x, w)
+worst = jnp.zeros((), jnp.float32)
+for _ in range(10_000):
+  worst = jnp.maximum(worst, jnp.max(jnp.abs(f(x, w) - first).astype(jnp.float32)))
+want = np.asarray(u(x, w), np.float32)
+err = np.linalg.norm(np.asarray(first, np.float32) - want) / np.linalg.norm(want)
+def body(x, w):
+  def step(acc, i):
+    return acc + RS(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
+  init = lax.pcast(jnp.zeros((512, 1024), jnp.float32), "x", to="varying")
+  return lax.scan(step, init, jnp.arange(100))[0]
+sf, su = ao.jit(jax.shard_map(body, **kw), overlap_config=cfg), jax.jit(jax.shard_map(body, **kw))
+print("SCAN_IMPL", sf.explain(x, w).matches[0].impl)
+a, b = np.asarray(sf(x, w)), np.asarray(su(x, w))
+print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+""", {"XLA_FLAGS": " --xla_gpu_enable_command_buffer="})
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "SCAN_IMPL triton kernel" in proc.stdout, proc.stdout[-2000:]
+  worst, err, scan_err = map(float, proc.stdout.split("RESULT")[1].split())
+  assert worst == 0.0 and err < 2e-2 and scan_err < 2e-2
+
+
+def test_missing_peer_times_out_with_error():
+  from test_gpu_ag import _run
+  proc = _run(_RS_PRELUDE + """
+from jax_autooverlap.runtime import check_errors, CollectiveTimeoutError
+cfg = ao.OverlapConfig(impl="triton", timeout_s=2.0)
+def body(x, w):  # only rank 0 runs the fused op: it waits for rank 1's partials in vain
+  return lax.cond(lax.axis_index("x") == 0, lambda: ao.matmul_rs(x, w, "x", config=cfg),
+                  lambda: lax.pcast(jnp.zeros((512, 1024), jnp.bfloat16), "x", to="varying"))
+f = jax.jit(jax.shard_map(body, **kw))
+try:
+  with ao.runtime.context.use_mesh(mesh):
+    jax.block_until_ready(f(x, w))
+  print("NO ERROR")
+except Exception as e:
+  print("XLA ERROR:", type(e).__name__, str(e)[:300])
+try:
+  check_errors()
+  print("NO RECORD")
+except CollectiveTimeoutError as e:
+  print("TIMEOUT:", e)
+""", timeout=240)
+  out = proc.stdout
+  assert "TIMEOUT:" in out and "XLA ERROR:" in out, out[-3000:] + proc.stderr[-1500:]
+  assert "matmul_rs over axis 'x'" in out and "from peer rank 1" in out, out
