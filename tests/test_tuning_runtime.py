@@ -58,7 +58,7 @@ def test_kernel_config_validation():
 
 
 def test_impl_triton_off_gpu_is_an_error():
-  from jax_autooverlap.ops.api import plan
+  from jax_autooverlap.ops.planning import plan
   with pytest.raises(ValueError, match="needs the concrete mesh"):
     plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, (1, 8, 64, 8), np.float32, np.float32)
 

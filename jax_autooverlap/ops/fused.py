@@ -46,7 +46,7 @@ class CoreParams:
 
   def dual(self, op, a, b, dtype, return_gathered=False):
     """Params of the dual op run by the backward pass on operands a, b."""
-    from jax_autooverlap.ops.api import dual_params  # api builds on this module
+    from jax_autooverlap.ops.planning import dual_params  # planning builds on this module
     mesh = self.mesh if self.mesh is not None else (self.gpu.mesh if self.gpu else None)
     if self.config is None:
       return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), "platform",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_autooverlap.ops.api import describe
+from jax_autooverlap.ops.planning import describe
 from jax_autooverlap.rewrite import _jax
 from jax_autooverlap.tuning.config import OverlapConfig
 from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through

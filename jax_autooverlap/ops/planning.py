@@ -1,0 +1,122 @@
+"""Which implementation runs a fused call, and why (shared by the ops and ao.explain).
+
+`plan` decides per canonical call (ag_rows / ag_k / rs_rows with sizes
+(batch, rows, contraction, columns) per device) between the reference ring,
+the unfused program and the GPU kernels, consulting the tuner; `describe`
+answers the same question for a match of the rewrite; `dual_params` plans the
+dual op of a backward pass.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jax_autooverlap.ops import fused
+from jax_autooverlap.ops.reference import RingParams
+from jax_autooverlap.runtime import context
+from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning.config import OverlapConfig
+
+
+class DotDims:
+  """Batch, contracting and free dims of both operands of a dot_general."""
+
+  def __init__(self, dn, lhs_ndim, rhs_ndim):
+    (lc, rc), (lb, rb) = dn
+    self.lb, self.rb = tuple(map(int, lb)), tuple(map(int, rb))
+    self.lc, self.rc = tuple(map(int, lc)), tuple(map(int, rc))
+    self.lf = tuple(d for d in range(lhs_ndim) if d not in self.lb + self.lc)
+    self.rf = tuple(d for d in range(rhs_ndim) if d not in self.rb + self.rc)
+
+  def side(self, operand: int):
+    """(batch, contracting, free) of one operand and of the other one."""
+    mine = (self.lb, self.lc, self.lf) if operand == 0 else (self.rb, self.rc, self.rf)
+    other = (self.rb, self.rc, self.rf) if operand == 0 else (self.lb, self.lc, self.lf)
+    return mine, other
+
+
+def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
+         mesh=None, in_loop=None) -> tuple[str, "fused.GpuPlan | None", str]:
+  """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
+
+  `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
+  (batch, rows, contraction, columns) sizes per device.  Shared by the ops
+  and by ao.explain, so the report says what actually runs.
+  """
+  if config.impl in ("reference", "unfused"):
+    return config.impl, None, f"{config.impl} (forced by OverlapConfig)"
+  mesh = mesh if mesh is not None else context.current_mesh()
+  platform = context.platform(mesh)
+  if platform is None:
+    if config.impl == "triton":
+      raise ValueError(f"{op}: impl='triton' needs the concrete mesh: call inside ao.jit or under "
+                       "jax.set_mesh(mesh)")
+    return "platform", None, "chosen at lowering: reference ring on CPU/TPU, unfused on GPU"
+  if platform != "gpu":
+    if config.impl == "triton":
+      raise ValueError(f"{op}: impl='triton' needs NVIDIA GPUs, the mesh is on {platform}")
+    return "reference", None, f"reference ring (chunked ppermute) on {platform}"
+  batch, rows, k, cols = canonical
+  why = None
+  if op == "ag_k":
+    why = "no GPU kernel for contracting-dim gathers yet"
+  elif dtype is None:
+    why = "operands of different dtypes"
+  elif axis_size == 1:
+    why = "axis of size 1: a plain matmul"
+  elif batch != 1:
+    why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
+  elif (context.in_loop() if in_loop is None else in_loop) and context.loop_kernels_blocked():
+    why = context.loop_kernels_blocked()
+  else:
+    device_kind = np.asarray(mesh.devices).flat[0].device_kind
+    choose = select.choose_ag if op == "ag_rows" else select.choose_rs
+    verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
+    if verdict.kernel is not None:
+      return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
+          f"triton kernel ({verdict.reason})"
+    why = verdict.reason
+  if config.impl == "triton":
+    raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
+  return "unfused", None, f"unfused program on gpu ({why})"
+
+
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, in_loop,
+                return_gathered=False):
+  """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config).
+
+  The backward pass is traced later, outside the forward's context: whether the
+  op sits in a loop body (a transposed scan is a loop too) comes from the forward.
+  """
+  ring = RingParams(axis_name=ring.axis_name, axis_size=ring.axis_size, chunks=ring.chunks,
+                    precision=ring.precision, out_dtype=np.dtype(out_dtype))
+  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
+  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
+    config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
+  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh, in_loop)
+  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
+                          config=config, mesh=mesh, in_loop=in_loop)
+
+
+def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
+             dtype, out_dtype, config: OverlapConfig, mesh, in_loop: bool = False) -> str:
+  """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
+  dims = DotDims(dn, len(lhs_shape), len(rhs_shape))
+  shapes = [list(lhs_shape), list(rhs_shape)]
+  (ab, ac, af), (ob, oc, of) = dims.side(operand)
+  mine, other = shapes[operand], shapes[1 - operand]
+  size = lambda shape, ds: math.prod(shape[d] for d in ds)
+  if kind == "ag_matmul":
+    mine[dim] //= axis_size  # the shard
+    op = "ag_rows" if dim in af else "ag_k"
+  else:
+    op = "rs_rows"
+  canonical = (size(mine, ab), size(mine, af), size(mine, ac), size(other, of))
+  if op == "ag_k":
+    canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
+  try:
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, in_loop)[2]
+  except ValueError as e:
+    return f"error: {e}"
