@@ -178,29 +178,34 @@ def test_command_buffers_off():
   assert worst == 0.0 and err < 2e-2 and scan_err < 2e-2
 
 
-def test_missing_peer_times_out_with_error():
-  proc = _run("""
-  from jax_autooverlap.runtime import check_errors, CollectiveTimeoutError
-  cfg = ao.OverlapConfig(impl="triton", timeout_s=2.0)
-  def body(x, w):
-    # Only rank 0 runs the fused op: its waits for rank 1's chunks must time out.
-    return lax.cond(lax.axis_index("x") == 0,
-                    lambda: ao.ag_matmul(x, w, "x", config=cfg),
-                    lambda: lax.pcast(jnp.zeros((1024, 512), jnp.bfloat16), "x", to="varying"))
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")))
-  try:
-    with ao.runtime.context.use_mesh(mesh):
-      jax.block_until_ready(f(x, w))
-    print("NO ERROR")
-  except Exception as e:
-    print("XLA ERROR:", type(e).__name__, str(e)[:300])
-  try:
-    check_errors()
-    print("NO RECORD")
-  except CollectiveTimeoutError as e:
-    print("TIMEOUT:", e)
-  """, timeout=240)
+def check_missing_peer(fused_call: str, zeros_shape, specs: str, op_name: str, prelude=""):
+  """Only rank 0 runs the fused op (inside lax.cond): its bounded waits must expire, the call
+  must fail loudly, and check_errors() must name the op, the ranks and the chunk."""
+  proc = _run(prelude + f"""
+from jax_autooverlap.runtime import check_errors, CollectiveTimeoutError
+cfg = ao.OverlapConfig(impl="triton", timeout_s=2.0)
+def body(x, w):
+  return lax.cond(lax.axis_index("x") == 0, lambda: {fused_call},
+                  lambda: lax.pcast(jnp.zeros({zeros_shape}, jnp.bfloat16), "x", to="varying"))
+f = jax.jit(jax.shard_map(body, mesh=mesh, {specs}))
+try:
+  with ao.runtime.context.use_mesh(mesh):
+    jax.block_until_ready(f(x, w))
+  print("NO ERROR")
+except Exception as e:
+  print("XLA ERROR:", type(e).__name__, str(e)[:300])
+try:
+  check_errors()
+  print("NO RECORD")
+except CollectiveTimeoutError as e:
+  print("TIMEOUT:", e)
+""", timeout=240)
   out = proc.stdout
   assert "TIMEOUT:" in out, out[-3000:] + proc.stderr[-1500:]
   assert "XLA ERROR:" in out, out  # the failing call itself raised: no silent garbage
-  assert "ag_matmul over axis 'x'" in out and "from peer rank 1" in out, out
+  assert f"{op_name} over axis 'x'" in out and "from peer rank 1" in out, out
+
+
+def test_missing_peer_times_out_with_error():
+  check_missing_peer('ao.ag_matmul(x, w, "x", config=cfg)', (1024, 512),
+                     'in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")', "ag_matmul")

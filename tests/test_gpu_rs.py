@@ -160,26 +160,6 @@ print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(
 
 
 def test_missing_peer_times_out_with_error():
-  from test_gpu_ag import _run
-  proc = _run(_RS_PRELUDE + """
-from jax_autooverlap.runtime import check_errors, CollectiveTimeoutError
-cfg = ao.OverlapConfig(impl="triton", timeout_s=2.0)
-def body(x, w):  # only rank 0 runs the fused op: it waits for rank 1's partials in vain
-  return lax.cond(lax.axis_index("x") == 0, lambda: ao.matmul_rs(x, w, "x", config=cfg),
-                  lambda: lax.pcast(jnp.zeros((512, 1024), jnp.bfloat16), "x", to="varying"))
-f = jax.jit(jax.shard_map(body, **kw))
-try:
-  with ao.runtime.context.use_mesh(mesh):
-    jax.block_until_ready(f(x, w))
-  print("NO ERROR")
-except Exception as e:
-  print("XLA ERROR:", type(e).__name__, str(e)[:300])
-try:
-  check_errors()
-  print("NO RECORD")
-except CollectiveTimeoutError as e:
-  print("TIMEOUT:", e)
-""", timeout=240)
-  out = proc.stdout
-  assert "TIMEOUT:" in out and "XLA ERROR:" in out, out[-3000:] + proc.stderr[-1500:]
-  assert "matmul_rs over axis 'x'" in out and "from peer rank 1" in out, out
+  from test_gpu_ag import check_missing_peer
+  check_missing_peer('ao.matmul_rs(x, w, "x", config=cfg)', (512, 1024), "**kw", "matmul_rs",
+                     prelude=_RS_PRELUDE)

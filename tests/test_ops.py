@@ -1,5 +1,4 @@
 """ao.ag_matmul / ao.matmul_rs inside shard_map vs. the unfused JAX programs, values and grads."""
-import functools
 
 import jax
 import jax.numpy as jnp

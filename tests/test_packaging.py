@@ -4,7 +4,6 @@ import subprocess
 import sys
 import types
 
-import pytest
 
 import jax_autooverlap as ao
 

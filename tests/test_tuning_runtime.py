@@ -1,5 +1,4 @@
 """Tuner verdicts, kernel-config validation and the runtime's host-side layout (no GPU needed)."""
-import json
 
 import jax.numpy as jnp
 import numpy as np

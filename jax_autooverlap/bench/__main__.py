@@ -63,19 +63,48 @@ def _versions():
   return out
 
 
-def _inputs(mesh, m, k, n, dtype, sets=3):
+def _inputs(mesh, m, k, n, dtype, x_spec=None, w_spec=None, seed=100, sets=3):
+  """`sets` fresh random (x[m, k], w[k, n]) pairs with the given shardings."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
+  x_spec = P("x") if x_spec is None else x_spec
+  w_spec = P(None, "x") if w_spec is None else w_spec
   out = []
   for s in range(sets):
-    k1, k2 = jax.random.split(jax.random.key(100 + s))
+    k1, k2 = jax.random.split(jax.random.key(seed + s))
     x = jax.device_put(jax.random.normal(k1, (m, k), np.float32).astype(dtype),
-                       NamedSharding(mesh, P("x")))
+                       NamedSharding(mesh, x_spec))
     w = jax.device_put((jax.random.normal(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype),
-                       NamedSharding(mesh, P(None, "x")))
+                       NamedSharding(mesh, w_spec))
     out.append((x, w))
   return out
+
+
+def _best_of(program, arg_sets, want, iters, sweep):
+  """Time ao.jit(program) under each kernel config; keep the fastest correct, deterministic one."""
+  import numpy as np
+
+  import jax_autooverlap as ao
+  best = None
+  for cfg in sweep:
+    fused = ao.jit(program, overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
+    try:
+      got = fused(*arg_sets[0])
+      err = _rel_err(got, want)
+      repeat = bool(np.array_equal(np.asarray(got), np.asarray(fused(*arg_sets[0]))))
+      t = _time_ms(fused, arg_sets, iters)
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    _log(f"  ours chunks={cfg.chunks} comm={cfg.num_comm} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+         f" {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
+    if err > 2e-2 or not repeat:
+      _log("  -> wrong or non-deterministic result, not counted")
+      continue
+    if best is None or t < best[0]:
+      best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
+  return best
 
 
 def _rel_err(a, b):
@@ -87,12 +116,8 @@ def _rel_err(a, b):
 def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import jax_autooverlap as ao
-  from jax_autooverlap.tuning.config import KernelConfig
 
   dtype = jnp.dtype(dtype_name)
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -109,22 +134,7 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   res["unfused"] = (_time_ms(unfused, arg_sets, iters), {})
   _log(f"{m}x{k}x{n} unfused {res['unfused'][0]:.3f} ms")
 
-  best = None
-  for cfg in kernel_sweep:
-    fused = ao.jit(smap(ag), overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
-    try:
-      err = _rel_err(fused(*arg_sets[0]), want)
-      t = _time_ms(fused, arg_sets, iters)
-    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
-      continue
-    _log(f"  ours chunks={cfg.chunks} comm={cfg.num_comm} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-         f" {t:.3f} ms (rel err {err:.1e})")
-    if err > 2e-2:
-      _log("  -> wrong result, not counted")
-      continue
-    if best is None or t < best[0]:
-      best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
+  best = _best_of(smap(ag), arg_sets, want, iters, kernel_sweep)
   if best is not None:
     res["ours"] = best
 
@@ -172,28 +182,18 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   return world, res
 
 
-def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
+def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   """psum_scatter(x @ w, rows): x[M, K/world], w[K/world, N] per device -> out[M/world, N]."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import jax_autooverlap as ao
+  from jax.sharding import PartitionSpec as P
 
   dtype = jnp.dtype(dtype_name)
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   world = len(gpus)
   mesh = jax.make_mesh((world,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
-  arg_sets = []
-  for s_ in range(3):
-    k1, k2 = jax.random.split(jax.random.key(200 + s_))
-    x = jax.device_put(jax.random.normal(k1, (m, k), np.float32).astype(dtype),
-                       NamedSharding(mesh, P(None, "x")))
-    w = jax.device_put((jax.random.normal(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype),
-                       NamedSharding(mesh, P("x")))
-    arg_sets.append((x, w))
+  arg_sets = _inputs(mesh, m, k, n, dtype, x_spec=P(None, "x"), w_spec=P("x"), seed=200)
   specs, out_spec = (P(None, "x"), P("x")), P("x")
   rs = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
   smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
@@ -202,24 +202,7 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   want = unfused(*arg_sets[0])
   res["unfused"] = (_time_ms(unfused, arg_sets, iters), {})
   _log(f"rs {m}x{k}x{n} unfused {res['unfused'][0]:.3f} ms")
-  best = None
-  for cfg in kernel_sweep:
-    fused = ao.jit(smap(rs), overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
-    try:
-      got = fused(*arg_sets[0])
-      err = _rel_err(got, want)
-      repeat = bool(np.array_equal(np.asarray(got), np.asarray(fused(*arg_sets[0]))))
-      t = _time_ms(fused, arg_sets, iters)
-    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
-      continue
-    _log(f"  ours chunks={cfg.chunks} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms "
-         f"(rel err {err:.1e}, bit-identical repeat {repeat})")
-    if err > 2e-2 or not repeat:
-      _log("  -> wrong or non-deterministic result, not counted")
-      continue
-    if best is None or t < best[0]:
-      best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
+  best = _best_of(smap(rs), arg_sets, want, iters, kernel_sweep)
   if best is not None:
     res["ours"] = best
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=specs, out_specs=P("x")))
