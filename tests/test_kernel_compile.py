@@ -84,3 +84,13 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "ld.global.acquire.sys" in ptx, "owner lost its system-scope acquire"
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op):
+  """The kernels are written for any group size: WORLD is a compile-time constant."""
+  cfg = select.default_kernel(jnp.bfloat16)
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(jnp.bfloat16), cfg, 1024 if op == "ag" else 4096,
+             2048, 3072, world=world, return_gathered=(op == "ag"), op=op)
+  assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx
