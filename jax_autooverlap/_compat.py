@@ -29,3 +29,17 @@ def import_jax_triton():
                       f"(triton {getattr(__import__('triton'), '__version__', '?')}); "
                       "the triton/jax-triton pair is incompatible")
   return jax_triton
+
+
+def varying_axes(x) -> frozenset:
+  """Mesh axes a value varies over inside shard_map (its 'vma' type).
+
+  jax 0.11 keeps them in `aval.manual_axis_type.varying`; earlier releases in
+  `aval.vma`.  Empty outside shard_map and under check_vma=False.
+  """
+  import jax
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_autooverlap._compat import import_jax_triton
+from jax_autooverlap._compat import import_jax_triton, varying_axes
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.runtime.workspace import REGISTRY
@@ -50,7 +50,7 @@ def _table_row(table, mesh, axis_name):
 
 
 def _vma(x):
-  return getattr(jax.typeof(x), "vma", frozenset())
+  return varying_axes(x)
 
 
 def _varying(x, axes):
