@@ -78,3 +78,60 @@ def test_workspace_layout_and_address_table():
       addr = int(table[g, 2 * r]) | int(table[g, 2 * r + 1]) << 32
       assert addr == addresses[devices[g, r]]
     assert int(table[g, 8]) | int(table[g, 9]) << 32 == (99 << 32) | 7
+
+
+class _FakeGpu:
+  platform = "gpu"
+  device_kind = "NVIDIA H200"
+
+
+def _fake_gpu_mesh():
+  from types import SimpleNamespace
+  return SimpleNamespace(devices=np.array([_FakeGpu(), _FakeGpu()]), axis_names=("x",),
+                         shape={"x": 2})
+
+
+def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatch):
+  from jax_autooverlap.ops.planning import plan
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  assert impl == "triton" and gpu.kernel.num_comm == 8 and "measured" in why  # 4096x8192x8192
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh, False)
+  assert impl == "unfused" and "measured: unfused faster" in why              # 512x8192x8192
+  impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh, False)
+  assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
+  impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  assert impl == "unfused" and "contracting" in why
+  impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  assert impl == "unfused" and "batched" in why
+
+
+def test_loop_bodies_keep_unfused_unless_custom_calls_leave_command_buffers(monkeypatch):
+  from jax_autooverlap.ops.planning import plan
+  mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
+  shape = (1, 2048, 8192, 4096)
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  impl, _, why = plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)
+  assert impl == "unfused" and "CUDA graph" in why
+  with pytest.raises(ValueError, match="CUDA graph"):
+    plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, shape, bf16, bf16, mesh, True)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS")
+  assert plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)[0] == "triton"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL")
+  assert plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)[0] == "unfused"
+
+
+def test_backward_dual_inherits_loop_context(monkeypatch):
+  from jax_autooverlap.ops.planning import dual_params
+  from jax_autooverlap.ops.reference import RingParams
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  ring = RingParams(axis_name="x", axis_size=2, chunks=1, precision=None,
+                    out_dtype=np.dtype(jnp.bfloat16))
+  a = jnp.zeros((1, 2048, 8192), jnp.bfloat16)  # the dual ag_rows of a 4096x8192x8192 rs
+  b = jnp.zeros((1, 8192, 4096), jnp.bfloat16)
+  mesh = _fake_gpu_mesh()
+  inside = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh, True)
+  outside = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh, False)
+  assert inside.impl == "unfused" and inside.in_loop
+  assert outside.impl == "triton" and outside.gpu.mesh is mesh
