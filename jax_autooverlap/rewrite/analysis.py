@@ -76,11 +76,11 @@ def _concrete(mesh):
     return None
 
 
-def _impl_note(ctx, kind, deqn, operand, dim):
+def _impl_note(ctx, kind, deqn, operand, dim, axis_size):
   """What will run for a fused match: the same decision the op makes."""
   lhs, rhs = deqn.invars
   dtype = lhs.aval.dtype if lhs.aval.dtype == rhs.aval.dtype else None
-  n = ctx.axis_size or 1
+  n = axis_size or 1
   return describe(kind, lhs.aval.shape, rhs.aval.shape, operand, dim,
                   deqn.params["dimension_numbers"], n, dtype, deqn.outvars[0].aval.dtype,
                   ctx.config, ctx.mesh, in_loop=any(f"/{p}" in ctx.path for p in LOOP_PRIMITIVES))
@@ -188,9 +188,8 @@ class _Analyzer:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
     need_gathered = len(ctx.uses[v]) > 1 or v in ctx.outvars
-    ctx.axis_size = n
-    match = Match(status="fused", reason="", impl=_impl_note(ctx, "ag_matmul", deqn, operand, dim),
-                  **base)
+    match = Match(status="fused", reason="",
+                  impl=_impl_note(ctx, "ag_matmul", deqn, operand, dim, n), **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, gi)] = SKIP
@@ -260,9 +259,8 @@ class _Analyzer:
     lf = [d for d in range(deqn.invars[0].aval.ndim) if d not in (*lb, *lc)]
     rf = [d for d in range(deqn.invars[1].aval.ndim) if d not in (*rb, *rc)]
     op_idx, op_dim = (0, lf[dim - len(lb)]) if operand == "lhs" else (1, rf[dim - len(lb) - len(lf)])
-    ctx.axis_size = n
-    match = Match(status="fused", reason="", impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim),
-                  **base)
+    match = Match(status="fused", reason="",
+                  impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim, n), **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, di)] = SKIP
@@ -282,7 +280,6 @@ class _Ctx:
   path: str
   mesh: Any
   config: OverlapConfig
-  axis_size: int | None = None
 
 
 def _shape(v):
