@@ -58,6 +58,12 @@ def _varying(x, axes):
   return lax.pcast(x, axes, to="varying") if axes else x
 
 
+def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
+  """Tile rows per arrival chunk: `chunks` chunks, but never more than the workspace holds."""
+  return max(math.ceil(tile_rows / min(chunks, tile_rows)),
+             math.ceil(tile_rows / workspace.MAX_CHUNKS))
+
+
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
@@ -73,9 +79,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   n = b.shape[1]
   tm = math.ceil(m / kernel.block_m)
   tn = math.ceil(n / kernel.block_n)
-  tiles_per_chunk = math.ceil(tm / min(kernel.chunks, tm))
-  if math.ceil(tm / tiles_per_chunk) > workspace.MAX_CHUNKS:
-    tiles_per_chunk = math.ceil(tm / workspace.MAX_CHUNKS)
+  tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
   num_ctas = min(num_sms, num_comm + world * tm * tn)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
@@ -141,7 +145,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m_out = m // world
   tm = math.ceil(m_out / kernel.block_m)
   tn = math.ceil(n / kernel.block_n)
-  tiles_per_chunk = max(math.ceil(tm / min(kernel.chunks, tm)), math.ceil(tm / workspace.MAX_CHUNKS))
+  tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   num_ctas = min(num_sms, world * tm * tn)
   return jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",

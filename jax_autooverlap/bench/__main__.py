@@ -107,6 +107,14 @@ def _best_of(program, arg_sets, want, iters, sweep):
   return best
 
 
+def _gpu_mesh():
+  """All local GPUs on one mesh axis "x"."""
+  import jax
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  return gpus, jax.make_mesh((len(gpus),), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=gpus)
+
+
 def _rel_err(a, b):
   import numpy as np
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -120,9 +128,8 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   dtype = jnp.dtype(dtype_name)
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  gpus, mesh = _gpu_mesh()
   world = len(gpus)
-  mesh = jax.make_mesh((world,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype)
   specs, out_spec = (P("x"), P(None, "x")), P(None, "x")
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
@@ -190,9 +197,8 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   from jax.sharding import PartitionSpec as P
 
   dtype = jnp.dtype(dtype_name)
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  gpus, mesh = _gpu_mesh()
   world = len(gpus)
-  mesh = jax.make_mesh((world,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype, x_spec=P(None, "x"), w_spec=P("x"), seed=200)
   specs, out_spec = (P(None, "x"), P("x")), P("x")
   rs = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
@@ -219,8 +225,7 @@ def bench_windowed(m, k, n, dtype_name, iters, op="ag"):
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  mesh = jax.make_mesh((len(gpus),), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
+  _, mesh = _gpu_mesh()
   arg_sets = _inputs(mesh, m, k, n, jnp.dtype(dtype_name))
   if op == "rs":  # contracting dim sharded, result row-sharded: a reduce-scatter
     arg_sets = [(jax.device_put(x, NamedSharding(mesh, P(None, "x"))),

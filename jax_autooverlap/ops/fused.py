@@ -47,11 +47,7 @@ class CoreParams:
   def dual(self, op, a, b, dtype, return_gathered=False):
     """Params of the dual op run by the backward pass on operands a, b."""
     from jax_autooverlap.ops.planning import dual_params  # planning builds on this module
-    mesh = self.mesh if self.mesh is not None else (self.gpu.mesh if self.gpu else None)
-    if self.config is None:
-      return CoreParams(dataclasses.replace(self.ring, out_dtype=dtype), "platform",
-                        return_gathered)
-    return dual_params(op, a, b, self.ring, self.config, dtype, mesh, self.in_loop,
+    return dual_params(op, a, b, self.ring, self.config, dtype, self.mesh, self.in_loop,
                        return_gathered)
 
 
