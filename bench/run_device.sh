@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, check the machine, run the GPU tests and the AG
-# benchmark.  Logs and JSON go to $OUT.  Usage (device tool): bash bench/run_device.sh [tests|bench|all]
+# One device call: install the carried wheels, log the machine, then run the steps asked for.
+# Usage (device tool, carry [".whl"]): bash bench/run_device.sh STEP...
+#   tests-ag | tests-rs   the GPU tests of one kernel (pytest -m gpu; TEST_ARGS passed on)
+#   bench-ag | bench-rs   python -m jax_autooverlap.bench ag|rs (BENCH_ARGS passed on)
+#   any/path.py           a Python script run in the same environment (experiments)
+# Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
-what=${1:-all}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
@@ -13,9 +16,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import jax, jaxlib, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__); print(jax.devices())"
   env | grep -E "NCCL|NVSHMEM|TORCH_SYMM|XLA" || true
 } 2>&1 | tee "$OUT/machine.log"
-if [[ $what == tests || $what == all ]]; then
-  timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_ag.py -p no:cacheprovider -x ${TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
-fi
-if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench ag --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-fi
+rc=0
+for step in "$@"; do
+  echo "=== $step ($(date -u +%T))"
+  case $step in
+    tests-ag|tests-rs)
+      timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "tests/test_gpu_${step#tests-}.py" \
+        -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+    bench-ag|bench-rs)
+      timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#bench-}" --out "$OUT" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+    *.py)
+      timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  s=${PIPESTATUS[0]}; [[ $s != 0 ]] && { echo "=== $step failed: rc $s"; rc=$s; }
+done
+exit $rc

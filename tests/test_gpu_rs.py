@@ -161,5 +161,6 @@ print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(
 
 def test_missing_peer_times_out_with_error():
   from test_gpu_ag import check_missing_peer
-  check_missing_peer('ao.matmul_rs(x, w, "x", config=cfg)', (512, 1024), "**kw", "matmul_rs",
+  check_missing_peer('ao.matmul_rs(x, w, "x", config=cfg)', (512, 1024),
+                     'in_specs=kw["in_specs"], out_specs=kw["out_specs"]', "matmul_rs",
                      prelude=_RS_PRELUDE)

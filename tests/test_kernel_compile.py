@@ -82,6 +82,7 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx, "owner lost its system-scope acquire"
+  assert "ld.global.b16" not in ptx, "owner reads peers' partials element by element (not TMA)"
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
 

@@ -5,12 +5,21 @@
 Every GPU computes the partial product of its own operands.  Output tiles
 are handed out by a per-call atomic counter in owner order rank+1, rank+2,
 ..., rank (remote owners first, this GPU's own rows last).  A tile owned by a
-peer is stored (plain stores through the peer pointer) into the owner's slot
-for this rank, and the owner's arrival counter of that chunk (a group of tile
-rows) is bumped with release semantics at system scope.  A tile owned by
-this GPU waits (acquire, bounded) for the chunk from every peer and sums the
-partials in fixed rank order 0..world-1, so results are bit-identical run to
-run whatever the arrival order.  No CTA waits for a CTA of its own GPU.
+peer is stored (plain 16-byte stores through the peer pointer) into the
+owner's slot for this rank, and the owner's arrival counter of that chunk (a
+group of tile rows) is bumped with release semantics at system scope.  A
+tile owned by this GPU waits (acquire, bounded) for the chunk from every
+peer, reads the partials with TMA and sums them in fixed rank order
+0..world-1, so results are bit-identical run to run whatever the arrival
+order.  No CTA waits for a CTA of its own GPU.
+
+The release of a pushed tile is deferred until the CTA has run the main
+loop of its next tile: a system-scope release waits until every earlier
+store of the CTA has reached the peer, which right after the stores is a
+full NVLink round trip with the tensor cores idle; one main loop later the
+stores have drained and the release is cheap.  Pending releases are always
+issued before any wait, so two GPUs can never wait on each other's held
+signals.
 """
 import triton
 import triton.language as tl
@@ -45,11 +54,20 @@ def gemm_rs_kernel(
   # 64-bit element offsets: world * slot elements can exceed 2**31.
   my_slots = (ws + BUF_OFF).to(tl.pointer_type(out_dtype)) + parity.to(tl.int64) * WORLD * SLOT
   tile_counter = header + 2 + parity
+  # One descriptor per operand for the whole call.  A ragged last tile row of
+  # an owner reads rows of the next owner (of a, or of the next partial slot):
+  # they only feed output rows >= M_OUT, which are never stored.
+  a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                     block_shape=[BLOCK_M, BLOCK_K])
   b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
                                      block_shape=[BLOCK_K, BLOCK_N])
+  part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
+                                        block_shape=[BLOCK_M, BLOCK_N])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_OUT, N], strides=[N, 1],
                                      block_shape=[BLOCK_M, BLOCK_N])
 
+  pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
+  pending_flag = my_flags
   t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   while t < WORLD * PER_OWNER:
     owner = (rank + 1 + t // PER_OWNER) % WORLD
@@ -58,25 +76,26 @@ def gemm_rs_kernel(
     group_rows = tl.minimum(TM - first_m, GROUP_M)
     tm = first_m + (l % GROUP) % group_rows
     tn = (l % GROUP) // group_rows
-    a_desc = tl.make_tensor_descriptor(a_ptr + owner.to(tl.int64) * (M_OUT * K),
-                                       shape=[M_OUT, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
+    row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-      acc = tl.dot(a_desc.load([tm * BLOCK_M, k]), b_desc.load([k, tn * BLOCK_N]), acc)
-    rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = rows[:, None] * N + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :]
-    mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
+      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+    if pending != 0:
+      signal_add(pending_flag, 1)
+      pending = tl.full([], 0, tl.int32)
     c = tm // TILES_PER_CHUNK
     if owner != rank:
+      rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+      cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+      offs = rows[:, None] * N + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :]
+      mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
       peer_ws = table_address(table_ptr, owner)
       slot = (peer_ws + BUF_OFF).to(tl.pointer_type(out_dtype)) \
           + (parity * WORLD + rank).to(tl.int64) * SLOT
       tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
-      peer_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
+      pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
           + (parity * WORLD + rank) * MAX_CHUNKS + c
-      signal_add(peer_flag, 1)
+      pending = tl.full([], 1, tl.int32)
     else:
       expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
       total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -86,9 +105,10 @@ def gemm_rs_kernel(
         else:
           wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
                         TIMEOUT_NS)
-          part = tl.load(tl.multiple_of(my_slots + r * SLOT, 16) + offs, mask=mask, other=0.0)
-          total += part.to(tl.float32)
+          total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
       o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))
     t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  if pending != 0:
+    signal_add(pending_flag, 1)
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)
