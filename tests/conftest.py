@@ -8,6 +8,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # GPU tests start subprocesses that share the GPUs with this process: let neither
 # grab most of the memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Tests see only the shipped tuning data, never the developer's own benchmark verdicts.
+os.environ["JAX_AUTOOVERLAP_CACHE_DIR"] = __import__("tempfile").mkdtemp(prefix="ao-cache-")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -91,20 +91,71 @@ def _fake_gpu_mesh():
                          shape={"x": 2})
 
 
+_FAST = {"block_k": 64, "block_m": 128, "block_n": 256, "chunks": 8, "group_m": 8,
+         "num_comm": 32, "num_stages": 3, "num_warps": 8}
+_SYNTHETIC = {  # verdicts as the benchmark writes them
+    f"ag|{H200}|w2|4096x8192x8192|bfloat16": {"impl": "triton", "kernel": _FAST},
+    f"ag|{H200}|w2|512x8192x8192|bfloat16": {"impl": "unfused", "note": "fused kernel not faster"},
+    f"rs|{H200}|w2|8192x4096x4096|bfloat16": {"impl": "unfused", "note": "fused kernel not faster"},
+}
+
+
 def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatch):
   from jax_autooverlap.ops.planning import plan
   monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
   mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
-  assert impl == "triton" and gpu.kernel.num_comm == 8 and "measured" in why  # 4096x8192x8192
+  assert impl == "triton" and gpu.kernel == KernelConfig(**_FAST) and "measured" in why
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh, False)
   assert impl == "unfused" and "measured: unfused faster" in why              # 512x8192x8192
   impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh, False)
   assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh, False)
+  assert impl == "triton" and "heuristic" in why                               # between measured
   impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
   assert impl == "unfused" and "contracting" in why
   impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh, False)
   assert impl == "unfused" and "batched" in why
+
+
+def test_no_heuristic_pick_where_the_kernel_was_never_measured(monkeypatch):
+  monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
+  big = (8192, 8192, 4096, jnp.bfloat16, jnp.bfloat16)
+  v = select.choose_ag(ao.OverlapConfig(), H200, 4, *big)
+  assert v.kernel is None and "never measured on 4x NVIDIA H200" in v.reason
+  assert "jax_autooverlap.bench ag" in v.reason
+  v = select.choose_ag(ao.OverlapConfig(), "NVIDIA H100 80GB HBM3", 2, *big)
+  assert v.kernel is None and "never measured" in v.reason
+  assert select.choose_ag(ao.OverlapConfig(), H200, 2, *big).kernel is not None
+  v = select.choose_ag(ao.OverlapConfig(impl="triton"), H200, 4, *big)  # asked for: honoured
+  assert v.kernel is not None and "impl='triton'" in v.reason
+
+
+def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
+  from jax_autooverlap.bench.__main__ import _merge_into_user_cache, _write_tuning_cache
+  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path / "cache"))
+  rec = lambda impl, ms, world: {
+      "op": "ag", "m": 8192, "k": 8192, "n": 8192, "dtype": "bfloat16", "world_size": world,
+      "impl": impl, "median_ms": ms, "gpu": "NVIDIA-H200", "date": "2026-11-30",
+      **({"kernel": _FAST} if impl == "ours" else {})}
+  run = tmp_path / "run" / "tuning-ag.json"
+  run.parent.mkdir()
+  _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 1.5, 4)], "bfloat16", "ag")
+  _merge_into_user_cache(run, "ag")
+  select._cache.cache_clear()
+  try:
+    assert f"ag|{H200}|w4|8192x8192x8192|bfloat16" in select._cache()
+    v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
+    assert v.kernel == KernelConfig(**_FAST) and "measured" in v.reason
+    # a later run where the kernel lost replaces the verdict
+    _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 2.5, 4)], "bfloat16", "ag")
+    _merge_into_user_cache(run, "ag")
+    select._cache.cache_clear()
+    v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
+    assert v.kernel is None and "measured: unfused faster" in v.reason
+  finally:
+    select._cache.cache_clear()
 
 
 def test_loop_bodies_keep_unfused_unless_custom_calls_leave_command_buffers(monkeypatch):

@@ -11,7 +11,9 @@ For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   transfer_alone the remote bytes of one device moved GPU->GPU (copy engine)
 floor = max(gemm_alone, transfer_alone).  Timing: back-to-back calls over 3
 rotating fresh random input sets, after warm-up; per-call time of a batch,
-median of 5 batches.  Prints a table and writes JSON records.
+median of 5 batches.  Prints a table and writes JSON records, and records the
+verdicts (kernel faster or not, per shape) in the user's tuning cache, which
+ao.jit reads (see tuning/select.py; --no-cache to skip).
 """
 from __future__ import annotations
 
@@ -256,6 +258,17 @@ def _write_tuning_cache(path, records, dtype, op):
   path.write_text(json.dumps(cache, indent=1, sort_keys=True))
 
 
+def _merge_into_user_cache(new_path, op):
+  """Add this run's verdicts to the user's tuning cache, which ao.jit reads (newest wins)."""
+  from jax_autooverlap.tuning.select import user_cache_dir
+  path = user_cache_dir() / f"tuning-{op}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  cache = json.loads(path.read_text()) if path.exists() else {}
+  cache.update(json.loads(new_path.read_text()))
+  path.write_text(json.dumps(cache, indent=1, sort_keys=True))
+  _log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
+
+
 def _gpu_name():
   import jax
   return jax.devices()[0].device_kind.replace(" ", "-")
@@ -269,6 +282,8 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--out", default="bench/results")
   ap.add_argument("--no-rivals", action="store_true")
+  ap.add_argument("--no-cache", action="store_true",
+                  help="do not record the verdicts in the user's tuning cache")
   ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -323,6 +338,8 @@ def main(argv=None):
   path = out_dir / f"{gpu}-x{world}-{date}-{args.op}.json"
   path.write_text(json.dumps(records, indent=1))
   _write_tuning_cache(out_dir / f"tuning-{args.op}.json", records, args.dtype, args.op)
+  if not args.no_cache:
+    _merge_into_user_cache(out_dir / f"tuning-{args.op}.json", args.op)
   head = ("shape MxKxN", "unfused", "xla_win", "pallas", "ours", "gemm", "xfer", "floor",
           "ours/floor", "speedup")
   title = "AllGather+GEMM" if args.op == "ag" else "GEMM+ReduceScatter"

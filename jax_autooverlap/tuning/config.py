@@ -1,7 +1,7 @@
 """Frozen, self-validating configuration of the fused ops.
 
 Choice order (tuning/select.py): explicit config -> tuning cache (measured
-verdicts shipped as JSON) -> heuristic.  The cache says, per device kind,
+verdicts: shipped JSON and the user's benchmark runs) -> heuristic.  The cache says, per device kind,
 world size, shape and dtype, whether the fused GPU kernel beat the unfused
 program and with which kernel config.
 """

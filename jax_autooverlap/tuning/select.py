@@ -1,14 +1,19 @@
 """Pick the GPU kernel config for a fused call, or decide the unfused program wins.
 
-Order: explicit `OverlapConfig.kernel` -> measured cache (JSON shipped in
-tuning/data/, written from benchmark runs) -> heuristic.  A shape the
-kernel cannot run (alignment, dtype, shared memory) is never chosen.
+Order: explicit `OverlapConfig.kernel` -> measured cache -> heuristic.  The
+cache is the JSON shipped in tuning/data/ plus the user's cache directory
+(`user_cache_dir()`, where `python -m jax_autooverlap.bench` records its
+verdicts; user entries win).  A shape the kernel cannot run (alignment,
+dtype, shared memory) is never chosen, and no heuristic picks the kernel on
+a (GPU kind, group size) where it has never been measured: there it has not
+been checked against the unfused program.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -30,13 +35,24 @@ def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dty
   return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{np.dtype(dtype).name}"
 
 
+def user_cache_dir() -> pathlib.Path:
+  """Where benchmark runs record measured verdicts ($JAX_AUTOOVERLAP_CACHE_DIR or ~/.cache)."""
+  env = os.environ.get("JAX_AUTOOVERLAP_CACHE_DIR")
+  return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jax_autooverlap"
+
+
 @functools.cache
 def _cache() -> dict:
+  """Shipped entries, then the user's (read once per process)."""
   entries = {}
-  for path in sorted(_DATA.glob("*.json")):
-    for key, value in json.loads(path.read_text()).items():
-      entries[key] = value
+  for path in sorted(_DATA.glob("*.json")) + sorted(user_cache_dir().glob("tuning-*.json")):
+    entries.update(json.loads(path.read_text()))
   return entries
+
+
+def _measured_here(op: str, device_kind: str, world: int) -> bool:
+  prefix = f"{op}|{device_kind}|w{world}|"
+  return any(key.startswith(prefix) for key in _cache())
 
 
 def default_kernel(dtype) -> KernelConfig:
@@ -98,8 +114,11 @@ def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int,
     if hit.get("impl") != "triton":
       return Verdict(None, f"measured: unfused faster ({hit.get('note', '')})".rstrip(" ()"))
     return Verdict(KernelConfig(**hit["kernel"]), "measured: fused kernel faster")
-  # Heuristic until measured: overlap pays when the GEMM is large enough to
-  # hide the transfer and to amortise the kernel's fixed cost.
+  if not _measured_here("ag", device_kind, world):
+    return Verdict(None, f"kernel never measured on {world}x {device_kind}: run "
+                   "`python -m jax_autooverlap.bench ag` there once to check and time it")
+  # Heuristic between measured shapes: overlap pays when the GEMM is large
+  # enough to hide the transfer and to amortise the kernel's fixed cost.
   if m_shard * world < 4096 or k < 2048 or n < 1024:
     return Verdict(None, "heuristic: too small to gain from overlap")
   return Verdict(cfg, "heuristic: large GEMM")
