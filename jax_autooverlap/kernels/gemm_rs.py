@@ -28,6 +28,24 @@ from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address,
 
 
 @triton.jit
+def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M: tl.constexpr):
+  """Tile t of the per-call order -> (j, tm, tn), owner = (rank + 1 + j) % WORLD.
+
+  j = 0..WORLD-2 are the peers (remote tiles, never waiting), j = WORLD-1 is
+  this GPU's own rows, last: every own tile is handed out after every remote
+  tile, on every GPU, so the tiles it waits for are already handed out on the
+  peers and finish (deadlock-free).  Within an owner, GROUP_M tile rows x all
+  columns at a time (L2 reuse).
+  """
+  PER_OWNER: tl.constexpr = TM * TN
+  GROUP: tl.constexpr = GROUP_M * TN
+  l = t % PER_OWNER
+  first_m = (l // GROUP) * GROUP_M
+  group_rows = tl.minimum(TM - first_m, GROUP_M)
+  return t // PER_OWNER, first_m + (l % GROUP) % group_rows, (l % GROUP) // group_rows
+
+
+@triton.jit
 def gemm_rs_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
     out_ptr,                            # output: [M / WORLD, N]
@@ -49,7 +67,6 @@ def gemm_rs_kernel(
   TN: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   SLOT: tl.constexpr = M_OUT * N
   PER_OWNER: tl.constexpr = TM * TN
-  GROUP: tl.constexpr = GROUP_M * TN
   my_flags = (ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) + parity * WORLD * MAX_CHUNKS
   # 64-bit element offsets: world * slot elements can exceed 2**31.
   my_slots = (ws + BUF_OFF).to(tl.pointer_type(out_dtype)) + parity.to(tl.int64) * WORLD * SLOT
@@ -70,12 +87,8 @@ def gemm_rs_kernel(
   pending_flag = my_flags
   t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   while t < WORLD * PER_OWNER:
-    owner = (rank + 1 + t // PER_OWNER) % WORLD
-    l = t % PER_OWNER
-    first_m = (l // GROUP) * GROUP_M
-    group_rows = tl.minimum(TM - first_m, GROUP_M)
-    tm = first_m + (l % GROUP) % group_rows
-    tn = (l % GROUP) // group_rows
+    j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    owner = (rank + 1 + j) % WORLD
     row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
