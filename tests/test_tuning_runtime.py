@@ -1,5 +1,6 @@
 """Tuner verdicts, kernel-config validation and the runtime's host-side layout (no GPU needed)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,17 +106,17 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
   mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
-  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, True)
   assert impl == "triton" and gpu.kernel == KernelConfig(**_FAST) and "measured" in why
-  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh, False)
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh, True)
   assert impl == "unfused" and "measured: unfused faster" in why              # 512x8192x8192
-  impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh, False)
+  impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh, True)
   assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
-  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh, False)
+  impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh, True)
   assert impl == "triton" and "heuristic" in why                               # between measured
-  impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh, True)
   assert impl == "unfused" and "contracting" in why
-  impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh, False)
+  impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh, True)
   assert impl == "unfused" and "batched" in why
 
 
@@ -158,22 +159,60 @@ def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
     select._cache.cache_clear()
 
 
-def test_loop_bodies_keep_unfused_unless_custom_calls_leave_command_buffers(monkeypatch):
+def test_kernels_only_where_custom_calls_stay_out_of_cuda_graphs(monkeypatch):
   from jax_autooverlap.ops.planning import plan
+  from jax_autooverlap.runtime import context
   mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
   shape = (1, 2048, 8192, 4096)
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  impl, _, why = plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)
-  assert impl == "unfused" and "CUDA graph" in why
+  impl, _, why = plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, False)
+  assert impl == "unfused" and "CUDA graph" in why and "outermost" in why
   with pytest.raises(ValueError, match="CUDA graph"):
-    plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, shape, bf16, bf16, mesh, True)
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUBLAS")
+    plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, shape, bf16, bf16, mesh, False)
   assert plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)[0] == "triton"
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL")
-  assert plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh, True)[0] == "unfused"
+  with context.compiled_without_custom_calls_in_graphs():  # ao.jit's trace
+    assert plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh)[0] == "triton"
+  for flags, ok in (("--xla_gpu_enable_command_buffer=FUSION,CUBLAS", True),
+                    ("--xla_gpu_enable_command_buffer=", True),
+                    ("--xla_gpu_enable_command_buffer=-CUSTOM_CALL", True),
+                    ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL", False),
+                    ("--xla_gpu_enable_command_buffer=+WHILE", False)):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert (plan("ag_rows", cfg, 2, shape, bf16, bf16, mesh)[0] == "triton") == ok, flags
 
 
-def test_backward_dual_inherits_loop_context(monkeypatch):
+def test_compiler_options_drop_only_custom_calls_from_command_buffers(monkeypatch):
+  from jax_autooverlap.runtime import context
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  opts = context.compiler_options_keeping_custom_calls_out_of_graphs()
+  assert opts == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE")
+  assert context.compiler_options_keeping_custom_calls_out_of_graphs() == {
+      "xla_gpu_enable_command_buffer": "FUSION,WHILE"}
+
+
+def test_ao_jit_traces_top_level_and_nested_calls_under_the_right_promise():
+  from jax_autooverlap.runtime import context
+  seen = []
+
+  def f(x):
+    seen.append(context.graph_safe())
+    return x * 2
+
+  g = ao.jit(f)
+  assert float(g(1.0)) == 2.0 and set(seen) == {True}  # compiled with custom calls out of graphs
+  seen.clear()
+  assert float(jax.jit(lambda x: g(x) + 1)(1.0)) == 3.0 and set(seen) == {False}
+  seen.clear()
+  assert float(ao.jit(lambda x: g(x) + 1)(1.0)) == 3.0 and set(seen) == {True}
+  seen.clear()
+  assert float(jax.grad(ao.jit(f))(1.0)) == 2.0 and set(seen) == {False}  # eager grad: no jit
+  seen.clear()
+  mine = ao.jit(f, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"})
+  assert float(mine(1.0)) == 2.0 and set(seen) == {False}  # the user's choice is kept
+
+
+def test_backward_dual_inherits_graph_safety(monkeypatch):
   from jax_autooverlap.ops.planning import dual_params
   from jax_autooverlap.ops.reference import RingParams
   monkeypatch.delenv("XLA_FLAGS", raising=False)
@@ -182,7 +221,8 @@ def test_backward_dual_inherits_loop_context(monkeypatch):
   a = jnp.zeros((1, 2048, 8192), jnp.bfloat16)  # the dual ag_rows of a 4096x8192x8192 rs
   b = jnp.zeros((1, 8192, 4096), jnp.bfloat16)
   mesh = _fake_gpu_mesh()
-  inside = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh, True)
-  outside = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh, False)
-  assert inside.impl == "unfused" and inside.in_loop
-  assert outside.impl == "triton" and outside.gpu.mesh is mesh
+  safe = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh, True)
+  unsafe = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh,
+                       False)
+  assert safe.impl == "triton" and safe.gpu.mesh is mesh and safe.graph_safe
+  assert unsafe.impl == "unfused" and not unsafe.graph_safe

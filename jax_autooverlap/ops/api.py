@@ -116,10 +116,10 @@ def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  mesh, in_loop = context.current_mesh(), context.in_loop()
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh, in_loop)
+  mesh, graph_safe = context.current_mesh(), context.graph_safe()
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh, graph_safe)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh, in_loop=in_loop)
+                          config=config, mesh=mesh, graph_safe=graph_safe)
 
 
 # --- ag_matmul -------------------------------------------------------------------

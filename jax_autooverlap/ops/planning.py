@@ -37,7 +37,7 @@ class DotDims:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None, in_loop=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, graph_safe=None) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
@@ -67,8 +67,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     why = "axis of size 1: a plain matmul"
   elif batch != 1:
     why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
-  elif (context.in_loop() if in_loop is None else in_loop) and context.loop_kernels_blocked():
-    why = context.loop_kernels_blocked()
+  elif not (context.graph_safe() if graph_safe is None else graph_safe):
+    why = context.GRAPH_CAPTURE
   else:
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
@@ -82,12 +82,12 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   return "unfused", None, f"unfused program on gpu ({why})"
 
 
-def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, in_loop,
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, graph_safe,
                 return_gathered=False):
   """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config).
 
   The backward pass is traced later, outside the forward's context: whether the
-  op sits in a loop body (a transposed scan is a loop too) comes from the forward.
+  program keeps custom calls out of CUDA graphs comes from the forward.
   """
   ring = RingParams(axis_name=ring.axis_name, axis_size=ring.axis_size, chunks=ring.chunks,
                     precision=ring.precision, out_dtype=np.dtype(out_dtype))
@@ -95,13 +95,13 @@ def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, 
   dtype = a3.dtype if a3.dtype == b3.dtype else None
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
     config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
-  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh, in_loop)
+  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh, graph_safe)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh, in_loop=in_loop)
+                          config=config, mesh=mesh, graph_safe=graph_safe)
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
-             dtype, out_dtype, config: OverlapConfig, mesh, in_loop: bool = False) -> str:
+             dtype, out_dtype, config: OverlapConfig, mesh) -> str:
   """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
   dims = DotDims(dn, len(lhs_shape), len(rhs_shape))
   shapes = [list(lhs_shape), list(rhs_shape)]
@@ -117,6 +117,6 @@ def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_s
   if op == "ag_k":
     canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
   try:
-    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, in_loop)[2]
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh)[2]
   except ValueError as e:
     return f"error: {e}"

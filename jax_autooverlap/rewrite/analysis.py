@@ -24,8 +24,6 @@ from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through
 from jax_autooverlap.rewrite.match import Match, Report
 
 FUSABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
-LOOP_PRIMITIVES = ("scan", "while")
-
 
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
@@ -83,7 +81,7 @@ def _impl_note(ctx, kind, deqn, operand, dim, axis_size):
   n = axis_size or 1
   return describe(kind, lhs.aval.shape, rhs.aval.shape, operand, dim,
                   deqn.params["dimension_numbers"], n, dtype, deqn.outvars[0].aval.dtype,
-                  ctx.config, ctx.mesh, in_loop=any(f"/{p}" in ctx.path for p in LOOP_PRIMITIVES))
+                  ctx.config, ctx.mesh)
 
 
 class _Analyzer:

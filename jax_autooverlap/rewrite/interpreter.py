@@ -16,7 +16,7 @@ import jax
 
 from jax_autooverlap.ops.api import ag_matmul, matmul_rs
 from jax_autooverlap.rewrite import _jax
-from jax_autooverlap.rewrite.analysis import LOOP_PRIMITIVES, SKIP, AgPlan, Plan, RsPlan
+from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
 from jax_autooverlap.rewrite.layout import apply_to_shard
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -124,11 +124,7 @@ def _bind(eqn, params, invals):
 
 def _generic_rule(interp: Interpreter, eqn, invals):
   """Any higher-order primitive: same params, rewritten sub-jaxprs."""
-  if eqn.primitive.name in LOOP_PRIMITIVES:
-    with context.inside_loop():
-      params = _jax.map_jaxprs(eqn.params, interp.retrace)
-  else:
-    params = _jax.map_jaxprs(eqn.params, interp.retrace)
+  params = _jax.map_jaxprs(eqn.params, interp.retrace)
   return _bind(eqn, params, invals)
 
 
