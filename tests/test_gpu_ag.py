@@ -117,7 +117,8 @@ def test_back_to_back_calls_and_scan_are_stable():
 
   specs = (P("x"), P(None, "x"))
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  scan_f = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")))
+  scan_f = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")),
+                  overlap_config=TRITON)
   scan_u = jax.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")))
   # Default XLA flags: ao.jit compiles with custom calls kept out of CUDA graphs, so the kernel
   # runs in the loop body too.  Graphs are instantiated on a program's second run: run it 3x.
