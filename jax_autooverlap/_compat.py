@@ -43,3 +43,17 @@ def varying_axes(x) -> frozenset:
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))
+
+
+def under_a_transformation(args) -> bool:
+  """Is this call being traced into an outer program (jit, grad, vmap) rather than run?
+
+  Tracer arguments say so; a call without array arguments that closes over an
+  outer jit's values is only visible in JAX's trace state (jax._src.core,
+  present in jax 0.11, which pyproject pins).
+  """
+  import jax
+  from jax._src import core
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return True
+  return not core.trace_state_clean()

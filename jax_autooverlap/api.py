@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 
+from jax_autooverlap._compat import under_a_transformation
 from jax_autooverlap.rewrite import Interpreter, Report, analyze
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -85,7 +86,7 @@ class AutoOverlapJit:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+    if under_a_transformation((args, kwargs)):
       # compiled as part of an outer program: is that a top-level ao.jit's?
       return self._inner[context.tracing_for_graph_safe_program()](*args, **kwargs)
     return self._jitted(*args, **kwargs)

@@ -208,6 +208,16 @@ def test_ao_jit_traces_top_level_and_nested_calls_under_the_right_promise():
   seen.clear()
   assert float(jax.grad(ao.jit(f))(1.0)) == 2.0 and set(seen) == {False}  # eager grad: no jit
   seen.clear()
+
+  def no_args():  # closes over the outer jit's tracer, takes no arguments
+    seen.append(context.graph_safe())
+    return outer_value[0] * 2
+
+  outer_value = []
+  h = ao.jit(no_args)
+  assert float(jax.jit(lambda x: (outer_value.append(x), h())[1])(1.0)) == 2.0
+  assert set(seen) == {False}
+  seen.clear()
   mine = ao.jit(f, compiler_options={"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL"})
   assert float(mine(1.0)) == 2.0 and set(seen) == {False}  # the user's choice is kept
 
