@@ -1,4 +1,5 @@
-"""The concrete mesh a fused op runs on (GPU kernels need its devices at trace time)."""
+"""Trace-time context of fused ops: the concrete mesh they run on (GPU kernels need its
+devices) and whether their program keeps custom calls out of XLA's CUDA graphs."""
 from __future__ import annotations
 
 import contextlib
