@@ -86,7 +86,7 @@ class AutoOverlapJit:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    if under_a_transformation((args, kwargs)):
+    if under_a_transformation():
       # compiled as part of an outer program: is that a top-level ao.jit's?
       return self._inner[context.tracing_for_graph_safe_program()](*args, **kwargs)
     return self._jitted(*args, **kwargs)

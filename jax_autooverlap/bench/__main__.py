@@ -109,6 +109,29 @@ def _best_of(program, arg_sets, want, iters, sweep):
   return best
 
 
+def _unfused_and_ours(program, arg_sets, iters, sweep, label):
+  """{"unfused": time, "ours": (time, config) of the best correct kernel config}, and the
+  unfused result (the reference every other implementation is checked against)."""
+  import jax
+  unfused = jax.jit(program)
+  want = unfused(*arg_sets[0])
+  res = {"unfused": (_time_ms(unfused, arg_sets, iters), {})}
+  _log(f"{label} unfused {res['unfused'][0]:.3f} ms")
+  best = _best_of(program, arg_sets, want, iters, sweep)
+  if best is not None:
+    res["ours"] = best
+  return res, want
+
+
+def _transfer_alone(gpus, nbytes: int, iters: int):
+  """nbytes moved GPU1 -> GPU0 by XLA's device-to-device copy (the copy engine)."""
+  import jax
+  import jax.numpy as jnp
+  src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
+  move = lambda a: jax.device_put(a, gpus[0])
+  return _time_ms(move, [(a,) for a in src], iters), {"bytes": nbytes}
+
+
 def _gpu_mesh():
   """All local GPUs on one mesh axis "x"."""
   import jax
@@ -133,31 +156,19 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   gpus, mesh = _gpu_mesh()
   world = len(gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype)
-  specs, out_spec = (P("x"), P(None, "x")), P(None, "x")
+  out_spec = P(None, "x")
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
-  res = {}
-
-  unfused = jax.jit(smap(ag))
-  want = unfused(*arg_sets[0])
-  res["unfused"] = (_time_ms(unfused, arg_sets, iters), {})
-  _log(f"{m}x{k}x{n} unfused {res['unfused'][0]:.3f} ms")
-
-  best = _best_of(smap(ag), arg_sets, want, iters, kernel_sweep)
-  if best is not None:
-    res["ours"] = best
+  program = jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=out_spec)
+  res, want = _unfused_and_ours(program, arg_sets, iters, kernel_sweep, f"ag {m}x{k}x{n}")
 
   # local GEMM alone: the gathered [M, K] on every device times its [K, N/world]
-  xg = jax.device_put(jnp.concatenate([arg_sets[0][0]] * 1), NamedSharding(mesh, P()))
+  xg = jax.device_put(arg_sets[0][0], NamedSharding(mesh, P()))
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P(None, "x")),
                                out_specs=out_spec))
   res["gemm_alone"] = (_time_ms(gemm, [(xg, s[1]) for s in arg_sets], iters), {})
-
-  # remote bytes of one device: (world-1) shards of [M/world, K], GPU1 -> GPU0
-  nbytes = (world - 1) * (m // world) * k * dtype.itemsize
-  src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
-  move = lambda a: jax.device_put(a, gpus[0])
-  res["transfer_alone"] = (_time_ms(move, [(a,) for a in src], iters), {"bytes": nbytes})
+  # remote bytes of one device: (world-1) shards of [M/world, K]
+  res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * k * dtype.itemsize,
+                                          iters)
 
   if rivals:
     try:
@@ -202,23 +213,15 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   gpus, mesh = _gpu_mesh()
   world = len(gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype, x_spec=P(None, "x"), w_spec=P("x"), seed=200)
-  specs, out_spec = (P(None, "x"), P("x")), P("x")
+  kw = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
   rs = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
-  smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
-  res = {}
-  unfused = jax.jit(smap(rs))
-  want = unfused(*arg_sets[0])
-  res["unfused"] = (_time_ms(unfused, arg_sets, iters), {})
-  _log(f"rs {m}x{k}x{n} unfused {res['unfused'][0]:.3f} ms")
-  best = _best_of(smap(rs), arg_sets, want, iters, kernel_sweep)
-  if best is not None:
-    res["ours"] = best
-  gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=specs, out_specs=P("x")))
+  res, _ = _unfused_and_ours(jax.shard_map(rs, **kw), arg_sets, iters, kernel_sweep,
+                             f"rs {m}x{k}x{n}")
+  gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, **kw))  # the partial product, summed by RS
   res["gemm_alone"] = (_time_ms(gemm, arg_sets, iters), {})
-  nbytes = (world - 1) * (m // world) * n * dtype.itemsize
-  src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
-  res["transfer_alone"] = (_time_ms(lambda a: jax.device_put(a, gpus[0]), [(a,) for a in src],
-                                    iters), {"bytes": nbytes})
+  # remote bytes of one device: (world-1) partial slots of [M/world, N]
+  res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * n * dtype.itemsize,
+                                          iters)
   return world, res
 
 

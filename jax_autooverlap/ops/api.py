@@ -19,7 +19,7 @@ from jax import lax
 
 from jax_autooverlap._compat import varying_axes
 from jax_autooverlap.ops import fused
-from jax_autooverlap.ops.planning import DotDims, plan
+from jax_autooverlap.ops.planning import DotDims, core_params
 from jax_autooverlap.ops.reference import RingParams
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig, resolve_chunks
@@ -112,14 +112,8 @@ def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_
   rows = {"ag_rows": a3.shape[1], "ag_k": b3.shape[1], "rs_rows": a3.shape[1] // n}[op]
   ring = RingParams(axis_name=axis_name, axis_size=n, chunks=resolve_chunks(config, rows),
                     precision=precision, out_dtype=np.dtype(out_dtype))
-  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
-  if op == "ag_k":  # the gathered operand is b3 [B, k, N]
-    canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
-  dtype = a3.dtype if a3.dtype == b3.dtype else None
-  mesh, graph_safe = context.current_mesh(), context.graph_safe()
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, out_dtype, mesh, graph_safe)
-  return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh, graph_safe=graph_safe)
+  return core_params(op, ring, a3, b3, config, context.current_mesh(), context.graph_safe(),
+                     return_gathered)
 
 
 # --- ag_matmul -------------------------------------------------------------------

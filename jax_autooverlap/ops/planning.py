@@ -8,6 +8,7 @@ dual op of a backward pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -89,13 +90,21 @@ def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, 
   The backward pass is traced later, outside the forward's context: whether the
   program keeps custom calls out of CUDA graphs comes from the forward.
   """
-  ring = RingParams(axis_name=ring.axis_name, axis_size=ring.axis_size, chunks=ring.chunks,
-                    precision=ring.precision, out_dtype=np.dtype(out_dtype))
-  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
-  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  ring = dataclasses.replace(ring, out_dtype=np.dtype(out_dtype))
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
     config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
-  impl, gpu, _ = plan(op, config, ring.axis_size, canonical, dtype, out_dtype, mesh, graph_safe)
+  return core_params(op, ring, a3, b3, config, mesh, graph_safe, return_gathered)
+
+
+def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh, graph_safe,
+                return_gathered=False) -> "fused.CoreParams":
+  """Params of a canonical call on a3 [B, M, K], b3 [B, K, N], with the impl `plan` picks."""
+  n = ring.axis_size
+  canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
+  if op == "ag_k":  # the gathered operand is b3 [B, k, N]
+    canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
+  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh, graph_safe)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
                           config=config, mesh=mesh, graph_safe=graph_safe)
 

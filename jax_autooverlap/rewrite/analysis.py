@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from jax_autooverlap.ops.planning import describe
+from jax_autooverlap.ops.planning import DotDims, describe
 from jax_autooverlap.rewrite import _jax
-from jax_autooverlap.tuning.config import OverlapConfig
 from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through
 from jax_autooverlap.rewrite.match import Match, Report
+from jax_autooverlap.tuning.config import OverlapConfig
 
 FUSABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
 
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
@@ -230,9 +231,9 @@ class _Analyzer:
       dims.insert(0, dim)
       dim = dim_through(ceqn, dim, n or 1, forward=False) if dim is not None else None
     dim_kind = operand = None
+    dd = DotDims(deqn.params["dimension_numbers"], *(x.aval.ndim for x in deqn.invars))
+    nb, nlf = len(dd.lb), len(dd.lf)  # dot output dims: batch, lhs free, rhs free
     if dim is not None:
-      (lc, rc), (lb, rb) = deqn.params["dimension_numbers"]
-      nb, nlf = len(lb), deqn.invars[0].aval.ndim - len(lb) - len(lc)
       dim_kind = "batch" if dim < nb else "free"
       operand = None if dim < nb else "lhs" if dim < nb + nlf else "rhs"
       base.update(operand=operand, dim_kind=dim_kind)
@@ -253,10 +254,7 @@ class _Analyzer:
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
-    (lc, rc), (lb, rb) = deqn.params["dimension_numbers"]
-    lf = [d for d in range(deqn.invars[0].aval.ndim) if d not in (*lb, *lc)]
-    rf = [d for d in range(deqn.invars[1].aval.ndim) if d not in (*rb, *rc)]
-    op_idx, op_dim = (0, lf[dim - len(lb)]) if operand == "lhs" else (1, rf[dim - len(lb) - len(lf)])
+    op_idx, op_dim = (0, dd.lf[dim - nb]) if operand == "lhs" else (1, dd.rf[dim - nb - nlf])
     match = Match(status="fused", reason="",
                   impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim, n), **base)
     self._record(match)

@@ -124,8 +124,7 @@ def _bind(eqn, params, invals):
 
 def _generic_rule(interp: Interpreter, eqn, invals):
   """Any higher-order primitive: same params, rewritten sub-jaxprs."""
-  params = _jax.map_jaxprs(eqn.params, interp.retrace)
-  return _bind(eqn, params, invals)
+  return _bind(eqn, _jax.map_jaxprs(eqn.params, interp.retrace), invals)
 
 
 @register_rule("shard_map")
