@@ -1,0 +1,169 @@
+"""Host cost of launching a fused op, against XLA's own cuBLAS call (one GPU).
+
+    python -m jax_autooverlap.bench.launch_cost [--out bench/results] [--calls 2000]
+
+Programs on a one-GPU mesh, each a single small matmul (256 x 256 x 256 bf16,
+a few microseconds of GPU work, so a call's wall time is its host cost):
+  gemm            jax.jit(x @ w): XLA's cuBLAS call
+  ag_matmul       ao.jit of all_gather(x) @ w with the Triton kernel (world 1)
+  ag_matmul_no_ttir  the same kernel with the TTIR text dropped from its opaque
+  matmul_rs       ao.jit of psum_scatter(x @ w) with the Triton kernel (world 1)
+  triton_trivial  a one-line Triton kernel through jax-triton (the launcher's own cost)
+For each: `sync_us`, the median wall time of one call waited for
+(block_until_ready), and `async_us`, the per-call time of 500 calls
+dispatched back to back.  Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+
+def _sync_us(fn, args, calls):
+  import jax
+  import numpy as np
+  for _ in range(20):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times) * 1e6)
+
+
+def _async_us(fn, args, calls=500, batches=5):
+  import jax
+  import numpy as np
+  jax.block_until_ready(fn(*args))
+  per = []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    per.append((time.perf_counter() - t0) / calls)
+  return float(np.median(per) * 1e6)
+
+
+def _trivial_triton():
+  import jax
+  import triton
+  import triton.language as tl
+  from jax_autooverlap._compat import import_jax_triton
+  jt = import_jax_triton()
+
+  @triton.jit
+  def add_one(x_ptr, o_ptr, n: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+  def call(x):
+    return jt.triton_call(x, kernel=add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(x.size // 1024,), n=x.size, BLOCK=1024)
+  return jax.jit(call)
+
+
+def opaque_bytes(fn, args) -> int:
+  """Bytes of the largest custom-call opaque (jax-triton: zlib'd kernel proto) in the program."""
+  import re
+  text = fn.lower(*args).as_text()
+  sizes = [len(m) for m in re.findall(r'opaque = "((?:[^"\\]|\\.)*)"', text)]
+  return max(sizes, default=0)
+
+
+@contextlib.contextmanager
+def without_ttir():
+  """Kernels compiled inside carry no TTIR text in their opaque (diagnostic of its size)."""
+  from jax_triton import triton_lib
+  real = triton_lib.triton_kernel_call_lib
+
+  class Lib:
+    def __getattr__(self, name):
+      return getattr(real, name)
+
+    @staticmethod
+    def TritonKernel(*args):
+      args = list(args)
+      args[5] = ""  # (name, num_warps, num_ctas, shared_mem, binary, ttir, arch, ...)
+      return real.TritonKernel(*args)
+
+  triton_lib.triton_kernel_call_lib = Lib()
+  try:
+    yield
+  finally:
+    triton_lib.triton_kernel_call_lib = real
+
+
+def programs(size=256):
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+  import jax_autooverlap as ao
+
+  gpu = [d for d in jax.devices() if d.platform == "gpu"][:1]
+  if not gpu:
+    raise SystemExit("launch_cost: needs an NVIDIA GPU")
+  mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpu)
+  cfg = ao.OverlapConfig(impl="triton")
+  k1, k2 = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(k1, (size, size), jnp.bfloat16)
+  w = jax.random.normal(k2, (size, size), jnp.bfloat16)
+  smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+  ag = ao.jit(smap(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w), overlap_config=cfg)
+  rs = ao.jit(smap(lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)),
+              overlap_config=cfg)
+  for f in (ag, rs):
+    assert all(m.fused and m.impl.startswith("triton") for m in f.explain(x, w)), f.explain(x, w)
+  ag_lean = ao.jit(smap(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w),
+                   overlap_config=ao.OverlapConfig(impl="triton", timeout_s=9.0))
+  with without_ttir():  # compiled (and cached) now, without TTIR in its opaque
+    jax.block_until_ready(ag_lean(x, w))
+  return {
+      "gemm": (jax.jit(lambda x, w: x @ w), (x, w)),
+      "ag_matmul_no_ttir": (ag_lean, (x, w)),
+      "ag_matmul": (ag, (x, w)),
+      "matmul_rs": (rs, (x, w)),
+      "triton_trivial": (_trivial_triton(), (jnp.zeros((size * size,), jnp.float32),)),
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench.launch_cost",
+                               description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", default="bench/results", help="folder for the JSON (default %(default)s)")
+  ap.add_argument("--calls", type=int, default=2000, help="synchronous calls timed per program")
+  args = ap.parse_args(argv)
+  import jax
+  import jaxlib
+  rows = []
+  progs = programs()
+  for name, (fn, fargs) in progs.items():
+    print(f"[launch_cost] {name} ...", file=sys.stderr, flush=True)
+    rows.append({"program": name, "sync_us": _sync_us(fn, fargs, args.calls),
+                 "async_us": _async_us(fn, fargs), "opaque_bytes": opaque_bytes(fn, fargs)})
+  base = next(r for r in rows if r["program"] == "gemm")
+  gpu = jax.devices()[0].device_kind
+  print(f"\nLaunch cost on one {gpu} (256x256x256 bf16; medians, us)")
+  print(f"{'program':<20}{'sync_us':>10}{'async_us':>10}{'sync - gemm':>13}{'opaque B':>10}")
+  for r in rows:
+    r["sync_minus_gemm_us"] = r["sync_us"] - base["sync_us"]
+    print(f"{r['program']:<20}{r['sync_us']:>10.1f}{r['async_us']:>10.1f}"
+          f"{r['sync_minus_gemm_us']:>13.1f}{r['opaque_bytes']:>10}")
+  date = datetime.date.today().isoformat()
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"{gpu.replace(' ', '-')}-{date}-launch-cost.json"
+  meta = {"bench": "launch_cost", "gpu": gpu, "date": date, "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "size": 256}
+  path.write_text(json.dumps([dict(meta, **r) for r in rows], indent=1))
+  print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
