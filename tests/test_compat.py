@@ -44,7 +44,7 @@ def test_only_registered_kernels_are_rewritten_and_oversized_scratch_is_refused(
 
   other = Compiled(_PTX, "not_ours", 512, 128)
   assert _compat._scratch_as_operand(other) is other
-  _compat._scratch_kernels.add("k")
+  _compat._lean_kernels.add("k")
   try:
     out = _compat._scratch_as_operand(Compiled(_PTX, "k", 512, 128))
     assert out.global_scratch_size is None and out.global_scratch_align is None
@@ -52,4 +52,26 @@ def test_only_registered_kernels_are_rewritten_and_oversized_scratch_is_refused(
     with pytest.raises(RuntimeError, match="needs 4096 bytes"):
       _compat._scratch_as_operand(Compiled(_PTX, "k", 4096, 128))
   finally:
-    _compat._scratch_kernels.discard("k")
+    _compat._lean_kernels.discard("k")
+
+
+def test_lean_kernels_are_built_without_ttir():
+  made = []
+
+  class Lib:
+    version = 7
+
+    @staticmethod
+    def TritonKernel(*args):
+      made.append(args)
+
+  lib = _compat._KernelLibWithoutTtir(Lib())
+  assert lib.version == 7  # everything else passes through
+  _compat._lean_kernels.add("k")
+  try:
+    lib.TritonKernel("k", 8, 1, 1000, "ptx", "ttir text", 90, 512, 128)
+    lib.TritonKernel("other", 8, 1, 1000, "ptx", "ttir text", 90)
+  finally:
+    _compat._lean_kernels.discard("k")
+  assert made == [("k", 8, 1, 1000, "ptx", "", 90, 512, 128),
+                  ("other", 8, 1, 1000, "ptx", "ttir text", 90)]

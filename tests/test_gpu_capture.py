@@ -62,7 +62,8 @@ def _smap(fn, mesh):
 
 
 def _kernels_in(compiled_text):
-  return compiled_text.count("ao_ag_gemm"), compiled_text.count("ao_gemm_rs")
+  """Triton kernel launches in compiled HLO (the kernel's name is inside the compressed opaque)."""
+  return compiled_text.count('custom_call_target="triton_kernel_call')
 
 
 def _computations(hlo_text):
@@ -80,7 +81,7 @@ def _computations(hlo_text):
 
 
 def _in_command_buffers(hlo_text):
-  """Kernels (ag, rs) inside computations XLA runs as command buffers (CUDA graphs)."""
+  """Kernel launches inside computations XLA runs as command buffers (CUDA graphs)."""
   inside = [b for n, b in _computations(hlo_text).items() if "command_buffer" in n]
   return _kernels_in("\n".join(inside))
 
@@ -91,9 +92,9 @@ def test_kernels_among_gpu_ops_1000_runs_bit_identical():
   args = _inputs()
   assert all(m.fused and m.impl.startswith("triton") for m in fused.explain(*args))
   hlo = fused.lower(*args).compile().as_text()
-  assert min(_kernels_in(hlo)) >= 1, "the kernels are not in the compiled program"
-  print("kernels inside command buffers (ag, rs):", _in_command_buffers(hlo))
-  assert min(_in_command_buffers(hlo)) >= 1, "XLA did not capture the kernels into CUDA graphs"
+  assert _kernels_in(hlo) == 2, "the two kernels are not in the compiled program"
+  print("kernels inside command buffers:", _in_command_buffers(hlo))
+  assert _in_command_buffers(hlo) >= 1, "XLA did not capture the kernels into CUDA graphs"
   first = np.asarray(fused(*args))
   outs = [fused(*args) for _ in range(1000)]
   worst = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - first.astype(np.float32))))
@@ -138,7 +139,7 @@ def test_kernels_in_scan_body_and_nested_jits():
   for where, (prog, ref) in cases.items():
     with jax.set_mesh(mesh):
       text = prog.lower(*args).compile().as_text()
-      assert min(_kernels_in(text)) >= 1, f"{where}: kernels not in the compiled program"
+      assert _kernels_in(text) >= 2, f"{where}: kernels not in the compiled program"
       first = np.asarray(prog(*args), np.float32)
       for _ in range(50):
         again = np.asarray(prog(*args), np.float32)

@@ -6,17 +6,16 @@ Programs on a one-GPU mesh, each a single small matmul (256 x 256 x 256 bf16,
 a few microseconds of GPU work, so a call's wall time is its host cost):
   gemm            jax.jit(x @ w): XLA's cuBLAS call
   ag_matmul       ao.jit of all_gather(x) @ w with the Triton kernel (world 1)
-  ag_matmul_no_ttir  the same kernel with the TTIR text dropped from its opaque
   matmul_rs       ao.jit of psum_scatter(x @ w) with the Triton kernel (world 1)
   triton_trivial  a one-line Triton kernel through jax-triton (the launcher's own cost)
 For each: `sync_us`, the median wall time of one call waited for
 (block_until_ready), and `async_us`, the per-call time of 500 calls
-dispatched back to back.  Prints a table, writes JSON.
+dispatched back to back, and the size of the launch's opaque (jaxlib hashes
+it on every launch: _compat.py).  Prints a table, writes JSON.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import pathlib
@@ -63,7 +62,7 @@ def _trivial_triton():
     tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
   def call(x):
-    return jt.triton_call(x, kernel=add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    return jt.triton_call(x, kernel=add_one, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           grid=(x.size // 1024,), n=x.size, BLOCK=1024)
   return jax.jit(call)
 
@@ -74,29 +73,6 @@ def opaque_bytes(fn, args) -> int:
   text = fn.lower(*args).as_text()
   sizes = [len(m) for m in re.findall(r'opaque = "((?:[^"\\]|\\.)*)"', text)]
   return max(sizes, default=0)
-
-
-@contextlib.contextmanager
-def without_ttir():
-  """Kernels compiled inside carry no TTIR text in their opaque (diagnostic of its size)."""
-  from jax_triton import triton_lib
-  real = triton_lib.triton_kernel_call_lib
-
-  class Lib:
-    def __getattr__(self, name):
-      return getattr(real, name)
-
-    @staticmethod
-    def TritonKernel(*args):
-      args = list(args)
-      args[5] = ""  # (name, num_warps, num_ctas, shared_mem, binary, ttir, arch, ...)
-      return real.TritonKernel(*args)
-
-  triton_lib.triton_kernel_call_lib = Lib()
-  try:
-    yield
-  finally:
-    triton_lib.triton_kernel_call_lib = real
 
 
 def programs(size=256):
@@ -120,13 +96,8 @@ def programs(size=256):
               overlap_config=cfg)
   for f in (ag, rs):
     assert all(m.fused and m.impl.startswith("triton") for m in f.explain(x, w)), f.explain(x, w)
-  ag_lean = ao.jit(smap(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w),
-                   overlap_config=ao.OverlapConfig(impl="triton", timeout_s=9.0))
-  with without_ttir():  # compiled (and cached) now, without TTIR in its opaque
-    jax.block_until_ready(ag_lean(x, w))
   return {
       "gemm": (jax.jit(lambda x, w: x @ w), (x, w)),
-      "ag_matmul_no_ttir": (ag_lean, (x, w)),
       "ag_matmul": (ag, (x, w)),
       "matmul_rs": (rs, (x, w)),
       "triton_trivial": (_trivial_triton(), (jnp.zeros((size * size,), jnp.float32),)),
