@@ -9,8 +9,11 @@ a few microseconds of GPU work, so a call's wall time is its host cost):
   matmul_rs       ao.jit of psum_scatter(x @ w) with the Triton kernel (world 1)
   triton_trivial  a one-line Triton kernel through jax-triton (the launcher's own cost)
 For each: `sync_us`, the median wall time of one call waited for
-(block_until_ready), and `async_us`, the per-call time of 500 calls
-dispatched back to back, and the size of the launch's opaque (jaxlib hashes
+(block_until_ready), and `async_us`, the per-call time of 200 calls
+dispatched back to back (host-bound: the launch cost), both the median over
+rounds that interleave the programs (host noise hits them alike); and
+`loop_us`, per iteration of 100 chained calls in one program (GPU time, no
+host), and the size of the launch's opaque (jaxlib hashes
 it on every launch: _compat.py).  Prints a table, writes JSON.
 """
 from __future__ import annotations
@@ -24,10 +27,9 @@ import time
 
 
 def _sync_us(fn, args, calls):
+  """Median wall time of one call waited for."""
   import jax
   import numpy as np
-  for _ in range(20):
-    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(calls):
     t0 = time.perf_counter()
@@ -36,17 +38,28 @@ def _sync_us(fn, args, calls):
   return float(np.median(times) * 1e6)
 
 
-def _async_us(fn, args, calls=500, batches=5):
+def _async_us(fn, args, calls=200):
+  """Per-call time of calls dispatched back to back."""
+  import jax
+  t0 = time.perf_counter()
+  outs = [fn(*args) for _ in range(calls)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _loop_us(fn, args, iters=100):
+  """Per-iteration time of `iters` chained calls inside one program (one dispatch): the GPU
+  time of a call plus the loop's own step, with the host out of the picture."""
   import jax
   import numpy as np
-  jax.block_until_ready(fn(*args))
-  per = []
-  for _ in range(batches):
+  looped = jax.jit(lambda *a: jax.lax.fori_loop(0, iters, lambda i, x: fn(x, *a[1:]), a[0]))
+  jax.block_until_ready(looped(*args))
+  times = []
+  for _ in range(20):
     t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(calls)]
-    jax.block_until_ready(outs)
-    per.append((time.perf_counter() - t0) / calls)
-  return float(np.median(per) * 1e6)
+    jax.block_until_ready(looped(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times) / iters * 1e6)
 
 
 def _trivial_triton():
@@ -108,24 +121,39 @@ def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench.launch_cost",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default="bench/results", help="folder for the JSON (default %(default)s)")
-  ap.add_argument("--calls", type=int, default=2000, help="synchronous calls timed per program")
+  ap.add_argument("--calls", type=int, default=3000, help="synchronous calls timed per program")
+  ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median over rounds)")
   args = ap.parse_args(argv)
   import jax
   import jaxlib
-  rows = []
+  import numpy as np
   progs = programs()
-  for name, (fn, fargs) in progs.items():
-    print(f"[launch_cost] {name} ...", file=sys.stderr, flush=True)
-    rows.append({"program": name, "sync_us": _sync_us(fn, fargs, args.calls),
-                 "async_us": _async_us(fn, fargs), "opaque_bytes": opaque_bytes(fn, fargs)})
+  for name, (fn, fargs) in progs.items():  # compile and warm up
+    for _ in range(50):
+      jax.block_until_ready(fn(*fargs))
+  # Rounds interleave the programs, so that a slow phase of the host hits them all alike.
+  sync, asyn = {n: [] for n in progs}, {n: [] for n in progs}
+  for r in range(args.rounds):
+    print(f"[launch_cost] round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    for name, (fn, fargs) in progs.items():
+      sync[name].append(_sync_us(fn, fargs, args.calls // args.rounds))
+      asyn[name].append(_async_us(fn, fargs))
+  rows = [{"program": n, "sync_us": float(np.median(sync[n])), "sync_min_us": min(sync[n]),
+           "sync_max_us": max(sync[n]), "async_us": float(np.median(asyn[n])),
+           "loop_us": _loop_us(*progs[n]), "opaque_bytes": opaque_bytes(*progs[n])}
+          for n in progs]
   base = next(r for r in rows if r["program"] == "gemm")
   gpu = jax.devices()[0].device_kind
   print(f"\nLaunch cost on one {gpu} (256x256x256 bf16; medians, us)")
-  print(f"{'program':<20}{'sync_us':>10}{'async_us':>10}{'sync - gemm':>13}{'opaque B':>10}")
+  print(f"{'program':<16}{'sync_us':>9}{'(min-max)':>15}{'async_us':>10}{'loop_us':>9}"
+        f"{'sync - gemm':>13}{'async - gemm':>14}{'opaque B':>10}")
   for r in rows:
     r["sync_minus_gemm_us"] = r["sync_us"] - base["sync_us"]
-    print(f"{r['program']:<20}{r['sync_us']:>10.1f}{r['async_us']:>10.1f}"
-          f"{r['sync_minus_gemm_us']:>13.1f}{r['opaque_bytes']:>10}")
+    r["async_minus_gemm_us"] = r["async_us"] - base["async_us"]
+    spread = f"{r['sync_min_us']:.1f}-{r['sync_max_us']:.1f}"
+    print(f"{r['program']:<16}{r['sync_us']:>9.1f}{spread:>15}{r['async_us']:>10.1f}"
+          f"{r['loop_us']:>9.1f}{r['sync_minus_gemm_us']:>13.1f}{r['async_minus_gemm_us']:>14.1f}"
+          f"{r['opaque_bytes']:>10}")
   date = datetime.date.today().isoformat()
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
