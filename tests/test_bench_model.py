@@ -15,7 +15,8 @@ import pytest
 from jax_autooverlap.bench import model
 
 RECORD_KEYS = {"bench", "model", "tokens", "world_size", "impl", "step_ms", "tokens_per_s", "mfu",
-               "loss", "versions", "gpu", "variant", "mesh", "layers", "seq", "batch"}
+               "loss", "fused", "skipped", "versions", "gpu", "variant", "mesh", "layers", "seq",
+               "batch"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,7 @@ def test_smoke_tensor_parallel_trains_identically_under_every_impl(smoke):
     assert r["step_ms"] > 0
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_ms"] * 1e3, rel=1e-3)
     assert r["mfu"] is None  # no peak known for a CPU
+    assert (r["fused"] is None) == (impl != "ao.jit")
     if impl != "jax.jit":
       assert r["loss_agrees"] is True, (impl, r["loss"], ref["loss"])
       assert r["loss_rel_diff"] <= 2e-2

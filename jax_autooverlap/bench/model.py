@@ -655,7 +655,8 @@ def _base_record(c: RunConfig, impl, gpu, versions, date):
           "impl": impl, "variant": c.variant, "mesh": c.mesh_desc, "layers": c.layers,
           "seq": c.seq, "batch": c.batch, "hidden": c.dims.hidden, "ffn": c.dims.ffn,
           "heads": c.dims.heads, "kv_heads": c.dims.kv_heads, "dtype": "bfloat16",
-          "gpu": gpu, "versions": versions, "date": date}
+          "gpu": gpu, "versions": versions, "date": date,
+          "fused": None, "skipped": None}  # ao.explain's counts, on ao.jit rows
 
 
 def _table(records, platform, peak):
@@ -678,9 +679,10 @@ def _table(records, platform, peak):
       continue
     best = best_jit.get((r["model"], r["tokens"], r["variant"]))
     vs = f"{best / r['step_ms']:.3f}x" if best else "-"
-    fs = f"{r['fused']}/{r['skipped']}" if "fused" in r else "-"
+    fs = f"{r['fused']}/{r['skipped']}" if r.get("fused") is not None else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-    ok = {True: "yes", False: "NO"}.get(r.get("loss_agrees"), "ref")
+    ok = {True: "yes", False: "NO"}.get(r.get("loss_agrees"),
+                                        "ref" if r["impl"] == "jax.jit" else "-")
     rows.append((r["model"], str(r["tokens"]), r["variant"], r["mesh"], str(r["layers"]),
                  r["impl"], f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:.0f}", mfu, vs, fs,
                  f"{r['loss'][0]:.5f}" if r["loss"] else "-", ok))
