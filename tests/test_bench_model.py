@@ -117,9 +117,10 @@ def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, cap
 def test_xla_flags_through_a_child_process(tmp_path, capsys):
   """Flags XLA does not take as compiler options go to a child process's XLA_FLAGS."""
   rc = model.main(["--smoke", "--variants", "tp", "--impls", "jax.jit,jax.jit+xla_overlap",
-                   "--steps", "1", "--xla-flags-via", "env", "--out", str(tmp_path)])
+                   "--steps", "1", "--xla-flags-via", "env", "--out", str(tmp_path),
+                   "--tag", "child"])
   assert rc == 0
-  rows = _rows(json.loads(next(tmp_path.glob("*-model.json")).read_text()), "tp")
+  rows = _rows(json.loads(next(tmp_path.glob("cpu-x8-*-model-child.json")).read_text()), "tp")
   child = rows["jax.jit+xla_overlap"]
   assert "error" not in child, child.get("error")
   assert child["xla_flags_via"] == "XLA_FLAGS (child process)"

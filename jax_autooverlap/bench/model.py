@@ -592,6 +592,9 @@ def _parser():
                        "sheet), none (no MFU) elsewhere")
   ap.add_argument("--seed", type=int, default=0, help="seed of parameters and inputs")
   ap.add_argument("--out", default="bench/results", help="directory of the JSON file")
+  ap.add_argument("--tag", default="",
+                  help="file name suffix, <GPU>-x<world>-<date>-model-<tag>.json, so that runs "
+                       "split over several calls on one day do not overwrite each other")
   ap.add_argument("--smoke", action="store_true",
                   help="seconds-long CPU check: --model tiny --tokens 256 --seq 128 --steps 2 "
                        "--warmup 1 --loss-steps 2 (each where left at its default)")
@@ -780,7 +783,7 @@ def main(argv=None) -> int:
 
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"{gpu}-x{world}-{date}-model.json"
+  path = out_dir / f"{gpu}-x{world}-{date}-model{'-' + args.tag if args.tag else ''}.json"
   path.write_text(json.dumps(records, indent=1))
   if "jax.jit+xla_overlap" in impls:
     print(f"jax.jit+xla_overlap flags: {args.xla_overlap_flags.replace(',', ' ')}")
