@@ -2,8 +2,11 @@
 
 Builds, at trace time, everything a kernel needs that is per device: the
 symmetric workspace addresses of the GPUs in this device's group (as a
-constant table indexed by the group id computed from the other mesh axes),
-the device's rank (lax.axis_index) and the error-record address.
+constant table indexed by the group id computed from the other mesh axes) and
+the device's rank (lax.axis_index).  The workspace addresses are the same in
+every process (runtime/symmetric.py), so the table, and with it the program,
+is the same in every process; the one per-process address, the error record,
+is in each workspace's header.
 """
 from __future__ import annotations
 
@@ -15,24 +18,25 @@ import numpy as np
 from jax import lax
 
 from jax_autooverlap._compat import import_jax_triton, varying_axes
-from jax_autooverlap.runtime import workspace
+from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
-from jax_autooverlap.runtime.workspace import REGISTRY
 from jax_autooverlap.tuning.config import KernelConfig
 
 H100_CLASS_SMS = 132
 
 
-def _address_table(mesh, axis_name, world: int, addresses, err_address: int):
-  """uint32 [groups, 2*(world+1)]: (lo, hi) of each member's workspace, then the error record."""
-  ax = mesh.axis_names.index(axis_name)
-  flat_index = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-  members = np.moveaxis(flat_index, ax, -1).reshape(-1, world)
+def _address_table(mesh, axis_name, world: int, addresses):
+  """uint32 [groups, 2*(world+1)]: (lo, hi) of each member's workspace, then a reserved zero
+  pair (it held the error record's address, which differs per process: now in the header).
+
+  `addresses` are per flat mesh device; groups are in topology.axis_groups order.
+  """
+  flat_index = np.arange(np.asarray(mesh.devices).size).reshape(np.shape(mesh.devices))
+  members = np.array(topology.axis_groups(flat_index, mesh.axis_names, axis_name), np.int64)
   table = np.zeros((members.shape[0], 2 * (world + 1)), np.uint32)
   for g, row in enumerate(members):
     for r, i in enumerate(row):
       table[g, 2 * r], table[g, 2 * r + 1] = addresses[i] & 0xFFFFFFFF, addresses[i] >> 32
-    table[g, 2 * world], table[g, 2 * world + 1] = err_address & 0xFFFFFFFF, err_address >> 32
   return table
 
 
@@ -100,14 +104,16 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def _group(mesh, axis_name, workspace_bytes: int):
-  """Per-device set-up shared by the kernels: (table row, rank, world, SM count)."""
-  from jax_autooverlap.runtime import cuda
+  """Per-device set-up shared by the kernels: (table row, rank, world, SM count).
+
+  Everything here is the same in every process of the mesh: the workspace
+  addresses (symmetric) and the SM count (the smallest, agreed at set-up).
+  """
   world = mesh.shape[axis_name]
-  devices = tuple(mesh.devices.flat)
-  addresses = REGISTRY.addresses(devices, workspace_bytes)
-  table = _address_table(mesh, axis_name, world, addresses, REGISTRY.error_record().device_address)
+  ws = workspace.REGISTRY.workspace(mesh, workspace_bytes)
+  table = _address_table(mesh, axis_name, world, ws.addresses)
   rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  return _table_row(table, mesh, axis_name), rank, world, cuda.sm_count(devices[0].local_hardware_id)
+  return _table_row(table, mesh, axis_name), rank, world, ws.num_sms
 
 
 def _as_varying_like(x, inputs, axis_name):
