@@ -116,10 +116,16 @@ class WorkspaceRegistry:
       self._allocator = symmetric.CuMemAllocator(self.driver)
     return self._allocator
 
-  def support(self, mesh, axis_name: str) -> Support:
-    """Whether the fused kernels can run over `axis_name` of `mesh` (collective the first time)."""
+  def support(self, mesh, axis_name: str | None) -> Support:
+    """Whether the fused kernels can run over `axis_name` of `mesh` (collective the first time).
+
+    axis_name may be None only for a mesh of one axis.
+    """
     if axis_name is None:
-      raise ValueError("support: the mesh axis of the fused op is needed")
+      if len(mesh.axis_names) != 1:
+        raise ValueError(f"support: which axis of the mesh {tuple(mesh.axis_names)}? "
+                         "(axis_name is needed for meshes of several axes)")
+      axis_name = mesh.axis_names[0]
     with self._lock:
       ds = self._set(mesh)
       if ds.error:
