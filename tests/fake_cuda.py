@@ -21,13 +21,14 @@ class FakeDriver:
   GRANULARITY = 1 << 16
 
   def __init__(self, va_start: int | None = None, sms: int = 132, vmm: bool = True,
-               honour_hints: bool = True):
+               honour_hints: bool = True, memory: int = 1 << 40):
     self.va_start = va_start if va_start is not None else \
         0x7F00_0000_0000 + (os.getpid() % 251) * (1 << 32)
-    self.sms, self.vmm, self.honour_hints = sms, vmm, honour_hints
+    self.sms, self.vmm, self.honour_hints, self.memory = sms, vmm, honour_hints, memory
     self.reserved: dict[int, int] = {}  # address -> size
     self.mapped: dict[int, mmap.mmap] = {}  # address -> mapping
     self.access: dict[int, tuple] = {}
+    self.zeroed: set[int] = set()
     self.handles: dict[int, int] = {}  # handle -> memfd
     self._next = 1
     self.records = {}
@@ -44,6 +45,9 @@ class FakeDriver:
     return self.GRANULARITY
 
   def mem_create(self, ordinal, nbytes, shareable):
+    if nbytes > self.memory:
+      raise FakeCudaError(f"cuMemCreate({nbytes} bytes on device {ordinal}) failed with "
+                          "CUresult 2 (out of memory)")
     fd = os.memfd_create(f"fake-cumem-dev{ordinal}")
     os.ftruncate(fd, nbytes)
     return self._new_handle(fd)
@@ -93,7 +97,11 @@ class FakeDriver:
     self.access[address] = tuple(ordinals)
 
   def memset_zero(self, ordinal, address, nbytes):
-    self.write(ordinal, address, bytes(nbytes))
+    # The allocator zeroes whole fresh allocations; a new memfd reads as zeros already, so
+    # only record the request (writing gigabytes of zeros would cost real memory).
+    base, mm = self._mapping(address)
+    assert (base, len(mm)) == (address, nbytes), "zeroing only part of an allocation"
+    self.zeroed.add(address)
 
   def write(self, ordinal, address, data):
     base, mm = self._mapping(address)

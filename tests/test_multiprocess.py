@@ -118,8 +118,8 @@ def test_single_process_workspace_is_symmetric_zeroed_and_grown():
     slot = workspace.ERROR_SLOT_OFFSET
     assert int.from_bytes(head[slot:slot + 8], "little") == record
     assert head[:slot] == bytes(slot)  # epoch, counters zeroed
-  for a in ws.addresses:  # every device may access every device's workspace
-    assert drv.access[a] == tuple(range(8))
+  for a in ws.addresses:  # zeroed; every device may access every device's workspace
+    assert a in drv.zeroed and drv.access[a] == tuple(range(8))
   drv.write(0, ws.addresses[0], b"\x07")  # programs compiled earlier keep this memory
   bigger = reg.workspace(mesh, 3 * FakeDriver.GRANULARITY)
   assert bigger.nbytes == 3 * FakeDriver.GRANULARITY and bigger.addresses != ws.addresses
@@ -137,6 +137,35 @@ def test_workspace_failure_falls_back_with_the_reason():
   assert "process 0" in s.reason
   with pytest.raises(RuntimeError, match="no symmetric workspace"):
     reg.workspace(mesh, 100)
+
+
+def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch):
+  """Planning (here on CPU devices standing in for GPUs) allocates what the kernel will need,
+  so a workspace that cannot be had means the unfused program, not an error at emission."""
+  import jax.numpy as jnp
+  import jax_autooverlap as ao
+  from jax_autooverlap.ops import planning
+  from jax_autooverlap.runtime import context
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import KernelConfig
+  drv = FakeDriver(memory=8 << 20)
+  monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=drv))
+  monkeypatch.setattr(context, "platform", lambda mesh: "gpu")
+  monkeypatch.setattr(select, "choose_ag", lambda *a: select.Verdict(KernelConfig(), "measured"))
+  mesh, bf16 = _cpu_mesh((2,), ("tp",)), jnp.bfloat16
+  plan = lambda rows, cfg=ao.OverlapConfig(): planning.plan(
+      "ag_rows", cfg, 2, (1, rows, 1024, 512), bf16, bf16, mesh, True, axis_name="tp")
+  assert plan(512)[:3:2] == ("triton", "triton kernel (measured)")
+  need = workspace.kernel_bytes("ag_rows", 2, 512, 1024, 512, bf16, bf16)
+  assert need > FakeDriver.GRANULARITY
+  planned = workspace.REGISTRY.workspace(mesh, 1)
+  assert planned.nbytes >= need
+  assert workspace.REGISTRY.workspace(mesh, need) == planned  # emission: no growth left
+  impl, _, why = plan(4096)  # 4096 x 1024 bf16 shards: 32 MiB of buffers > 8 MiB of memory
+  assert impl == "unfused" and "out of memory" in why and "symmetric workspace" in why
+  with pytest.raises(ValueError, match="impl='triton' cannot run here: .*out of memory"):
+    plan(4096, ao.OverlapConfig(impl="triton"))
+  assert plan(512)[0] == "triton"  # a failed growth leaves the workspace as it was
 
 
 def test_address_table_is_built_from_symmetric_addresses():

@@ -126,9 +126,9 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
             timeout_s: float, poison: bool = False):
   """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]."""
   m, k = a.shape
-  world = mesh.shape[axis_name]
-  shard_bytes = m * k * np.dtype(a.dtype).itemsize
-  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, shard_bytes))
+  nbytes = workspace.kernel_bytes("ag_rows", mesh.shape[axis_name], m, k, b.shape[1], a.dtype,
+                                  out_dtype)
+  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
   op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
   res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
@@ -172,9 +172,8 @@ def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s
   """psum_scatter(a @ b, rows) on a group of GPUs; a[M, K], b[K, N] per device -> [M/world, N]."""
   m, k = a.shape
   n = b.shape[1]
-  world = mesh.shape[axis_name]
-  slot_bytes = (m // world) * n * np.dtype(out_dtype).itemsize
-  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, slot_bytes))
+  nbytes = workspace.kernel_bytes("rs_rows", mesh.shape[axis_name], m, k, n, a.dtype, out_dtype)
+  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
   op_id = register_op(f"matmul_rs over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, n]}, {np.dtype(a.dtype).name})")
   out = launch_gemm_rs(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,

@@ -76,7 +76,10 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
     verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
-    support = workspace.REGISTRY.support(mesh, axis_name) if verdict.kernel is not None else None
+    support = None
+    if verdict.kernel is not None:
+      support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
+          op, axis_size, rows, k, cols, dtype, out_dtype))
     if support is not None and support.ok:
       spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \

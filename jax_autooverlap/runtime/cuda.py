@@ -213,18 +213,21 @@ def set_access(address: int, nbytes: int, ordinals):
          f"cuMemSetAccess(devices {list(ordinals)})")
 
 
+# memset and memcpy run on the legacy default stream; waiting for that stream (not the
+# whole context) leaves XLA's streams alone.
 def memset_zero(ordinal: int, address: int, nbytes: int):
   """Zero device memory and wait until it is done."""
   with _current(ordinal) as lib:
     _check(lib.cuMemsetD8_v2(address, 0, nbytes), "cuMemsetD8")
-    _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+    _check(lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
 
 def write(ordinal: int, address: int, data: bytes):
-  """Copy host bytes to device memory (synchronous)."""
+  """Copy host bytes to device memory and wait until it is done."""
   buf = ctypes.create_string_buffer(data, len(data))
   with _current(ordinal) as lib:
     _check(lib.cuMemcpyHtoD_v2(address, buf, len(data)), "cuMemcpyHtoD")
+    _check(lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
 
 def synchronize(ordinal: int):

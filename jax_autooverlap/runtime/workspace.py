@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
+import itertools
 import struct
 import threading
 
@@ -41,6 +42,7 @@ import numpy as np
 
 from jax_autooverlap.runtime import cuda, rendezvous, symmetric, topology
 
+_REGISTRIES = itertools.count()
 ERROR_SLOT_OFFSET = 128  # must match kernels/sync.py ERROR_SLOT_OFFSET
 FLAGS_OFFSET = 256
 MAX_CHUNKS = 64
@@ -57,6 +59,16 @@ def buffer_offset(world: int) -> int:
 
 def required_bytes(world: int, shard_bytes: int) -> int:
   return buffer_offset(world) + 2 * world * shard_bytes
+
+
+def kernel_bytes(op: str, world: int, rows: int, k: int, cols: int, dtype, out_dtype) -> int:
+  """Workspace a kernel needs per GPU for per-device a[rows, k] @ b[k, cols]: AG+GEMM
+  ("ag_rows") buffers the shards of a, GEMM+RS ("rs_rows") the partial output slots."""
+  if op == "ag_rows":
+    return required_bytes(world, rows * k * np.dtype(dtype).itemsize)
+  if op == "rs_rows":
+    return required_bytes(world, (rows // world) * cols * np.dtype(out_dtype).itemsize)
+  raise ValueError(f"kernel_bytes: no GPU kernel for {op!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +98,10 @@ class _DeviceSet:
     self.processes = topology.mesh_processes(devices)
     self.hosts: dict[int, str] | None = None
     self.num_sms = 0
-    self.error: str | None = None  # set-up or growth failed (same reason in every process)
+    self.error: str | None = None  # set-up failed (the same reason in every process)
+    # The smallest size whose allocation failed, and why: larger requests fail at once
+    # (in every process alike), smaller ones may still grow the workspace.
+    self.failed: tuple[int, str] | None = None
     self.generation = 0
     self.nbytes = 0
     self.current: symmetric.SymmetricMemory | None = None
@@ -103,6 +118,9 @@ class WorkspaceRegistry:
     self._sets: dict[tuple, _DeviceSet] = {}
     self._error_record = None
     self._atexit = False
+    # Session tags start with the registry's number: registries are made in the same order
+    # in every process (normally just REGISTRY), and two must never share a tag.
+    self._tag = f"r{next(_REGISTRIES)}"
 
   @property
   def driver(self):
@@ -116,10 +134,9 @@ class WorkspaceRegistry:
       self._allocator = symmetric.CuMemAllocator(self.driver)
     return self._allocator
 
-  def support(self, mesh, axis_name: str | None) -> Support:
-    """Whether the fused kernels can run over `axis_name` of `mesh` (collective the first time).
-
-    axis_name may be None only for a mesh of one axis.
+  def support(self, mesh, axis_name: str | None, nbytes: int = 1) -> Support:
+    """Whether the fused kernels can run over `axis_name` of `mesh` with workspaces of nbytes
+    (collective when it sets up or grows them).  axis_name may be None for a 1-axis mesh.
     """
     if axis_name is None:
       if len(mesh.axis_names) != 1:
@@ -134,7 +151,7 @@ class WorkspaceRegistry:
       if topo.kind == topology.MULTI_HOST:
         return Support(False, topo.describe())
       try:
-        self._grow(ds, 1)
+        self._grow(ds, nbytes)
       except symmetric.SetupError as e:
         return Support(False, str(e))
       return Support(True, topo.describe(), topo.processes_per_group)
@@ -166,7 +183,8 @@ class WorkspaceRegistry:
     if me not in ds.processes:
       ds.error = f"process {me} owns no device of {ds.name}"
       return
-    session = rendezvous.Session(f"setup/{ds.key}", ds.processes, f"set-up of {ds.name}")
+    session = rendezvous.Session(f"{self._tag}/setup/{ds.key}", ds.processes,
+                                 f"set-up of {ds.name}")
     ok, reason, info = True, "", {}
     try:
       sms = min(self.driver.sm_count(o) for o in self._local_ordinals(ds, me))
@@ -189,19 +207,22 @@ class WorkspaceRegistry:
       return
     if ds.error:
       raise symmetric.SetupError(ds.error)
+    size = max(nbytes, 2 * ds.nbytes)
+    if ds.failed is not None and size >= ds.failed[0]:
+      raise symmetric.SetupError(ds.failed[1])
     me = rendezvous.process_index()
     ds.generation += 1
-    session = rendezvous.Session(f"ws/{ds.key}/{ds.generation}", ds.processes,
+    session = rendezvous.Session(f"{self._tag}/ws/{ds.key}/{ds.generation}", ds.processes,
                                  f"workspace {ds.generation} of {ds.name}")
     slots = [symmetric.Slot(d.process_index, ds.hosts[d.process_index],
                             d.local_hardware_id if d.process_index == me else None)
              for d in ds.devices]
     try:
-      mem = self.allocator.allocate(session, slots, me, max(nbytes, 2 * ds.nbytes),
-                                    self._init_header)
+      mem = self.allocator.allocate(session, slots, me, size, self._init_header)
     except symmetric.SetupError as e:
-      ds.error = f"symmetric workspace ({self.allocator.name}) failed: {e}"
-      raise symmetric.SetupError(ds.error) from None
+      ds.failed = (size, f"symmetric workspace of {size} bytes per GPU ({self.allocator.name}) "
+                   f"failed: {e}")
+      raise symmetric.SetupError(ds.failed[1]) from None
     if not self._atexit:
       atexit.register(self.close)
       self._atexit = True
