@@ -76,6 +76,9 @@ class SymmetricAllocator:
     """
     raise NotImplementedError
 
+  def close(self):
+    """Stop whatever serves peers (at exit, after every allocation was released)."""
+
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m

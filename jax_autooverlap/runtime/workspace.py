@@ -112,8 +112,8 @@ class WorkspaceRegistry:
   """Workspaces keyed by the ordered tuple of devices of a mesh; grown on demand."""
 
   def __init__(self, driver=None, allocator: symmetric.SymmetricAllocator | None = None):
-    self._driver = driver
-    self._allocator = allocator
+    self.driver = driver or cuda  # runtime/cuda.py's functions (loads libcuda on first call)
+    self.allocator = allocator or symmetric.CuMemAllocator(self.driver)
     self._lock = threading.RLock()
     self._sets: dict[tuple, _DeviceSet] = {}
     self._error_record = None
@@ -121,18 +121,6 @@ class WorkspaceRegistry:
     # Session tags start with the registry's number: registries are made in the same order
     # in every process (normally just REGISTRY), and two must never share a tag.
     self._tag = f"r{next(_REGISTRIES)}"
-
-  @property
-  def driver(self):
-    if self._driver is None:
-      self._driver = cuda
-    return self._driver
-
-  @property
-  def allocator(self) -> symmetric.SymmetricAllocator:
-    if self._allocator is None:
-      self._allocator = symmetric.CuMemAllocator(self.driver)
-    return self._allocator
 
   def support(self, mesh, axis_name: str | None, nbytes: int = 1) -> Support:
     """Whether the fused kernels can run over `axis_name` of `mesh` with workspaces of nbytes
@@ -260,8 +248,7 @@ class WorkspaceRegistry:
           mem.release()
         ds.retired, ds.current, ds.nbytes = [], None, 0
         ds.error = "released"
-      if self._allocator is not None and hasattr(self._allocator, "close"):
-        self._allocator.close()
+      self.allocator.close()
 
 
 REGISTRY = WorkspaceRegistry()
