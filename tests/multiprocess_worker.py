@@ -56,28 +56,38 @@ def rendezvous_scenario():
     result["late_decision"] = dataclasses.asdict(s.decide(True))
 
 
-def workspace_scenario():
-  """Symmetric workspace over a (dp=2, tp=2) mesh, 2 devices per process, one host."""
-  drv = FakeDriver()
+def workspace_scenario(real_driver=False):
+  """Symmetric workspace over a (dp=2, tp=2) mesh, 2 devices per process, one host: through
+  the stand-in driver, or (real_driver) through runtime/cuda.py on tests/mock_libcuda.c."""
+  import ctypes
+  from jax_autooverlap.runtime import cuda
+  if real_driver:
+    drv, read = cuda, ctypes.string_at
+    live = lambda: None
+  else:
+    drv = FakeDriver()
+    read, live = drv.read, drv.live
   reg = workspace.WorkspaceRegistry(driver=drv)
   mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices())
   result["support"] = {a: dataclasses.asdict(reg.support(mesh, a)) for a in ("dp", "tp")}
   ws = reg.workspace(mesh, 300_000)  # grown collectively
   result["addresses"] = [hex(a) for a in ws.addresses]
   result["nbytes"], result["num_sms"] = ws.nbytes, ws.num_sms
+  result["error_record"] = reg.error_record().device_address
   # Every slot's header names the error record of the process owning it: the peer's
   # slots are the peer's memory, seen through the descriptor it passed us.
-  result["error_slots"] = [
-      struct.unpack("<Q", drv.read(a + workspace.ERROR_SLOT_OFFSET, 8))[0] - 0xE000_0000
-      for a in ws.addresses]
+  result["error_slots"] = [struct.unpack("<Q", read(a + workspace.ERROR_SLOT_OFFSET, 8))[0]
+                           for a in ws.addresses]
   own = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == me]
   drv.write(0, ws.addresses[own[0]] + 4096, f"hello from {me}".encode())
   kv.wait_at_barrier("t/written", 30_000)
   peer = [i for i, d in enumerate(mesh.devices.flat) if d.process_index != me][0]
-  result["peer_wrote"] = drv.read(ws.addresses[peer] + 4096, 13).decode()
+  result["peer_wrote"] = read(ws.addresses[peer] + 4096, 12).decode()
   kv.wait_at_barrier("t/read", 30_000)
   reg.close()
-  result["live_after_close"] = drv.live()
+  result["live_after_close"] = live()
+  with open("/proc/self/maps") as f:
+    result["libcuda"] = sorted({l.split()[-1] for l in f if "/libcuda.so" in l})
 
 
 def planning_scenario():
@@ -118,5 +128,6 @@ def planning_scenario():
 
 
 {"rendezvous": rendezvous_scenario, "workspace": workspace_scenario,
+ "workspace_libcuda": lambda: workspace_scenario(real_driver=True),
  "planning": planning_scenario}[scenario]()
 print("RESULT " + json.dumps(result), flush=True)

@@ -253,11 +253,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_processes(scenario: str, n: int = 2, timeout: float = 150) -> list[dict]:
+def _run_processes(scenario: str, n: int = 2, timeout: float = 150, env_extra=None) -> list[dict]:
   """Start n worker processes of one jax.distributed run; their RESULT lines, by process."""
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["JAX_AUTOOVERLAP_RENDEZVOUS_TIMEOUT_S"] = "30"
+  env.update(env_extra or {})
   procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"),
                              scenario, str(i), str(n), port], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for i in range(n)]
@@ -294,20 +295,40 @@ def test_rendezvous_agreement_and_timeout_across_processes():
   assert p1["late_decision"] == p0["missing_decision"]
 
 
-def test_symmetric_workspace_across_processes_shares_memory():
-  p0, p1 = _run_processes("workspace")
+def _check_shared_workspace(p0, p1):
   for p in (p0, p1):
     assert p["support"]["dp"] == {"ok": True, "reason": "2 processes", "processes": 2}
     assert p["support"]["tp"] == {"ok": True, "reason": "1 process", "processes": 1}
     assert p["nbytes"] >= 300_000 and p["num_sms"] == 132
-    assert p["live_after_close"] == {"handles": 0, "reserved": 0, "mapped": 0}
   # the same addresses in both processes: the kernels' tables are the same constants
   assert p0["addresses"] == p1["addresses"]
-  # each slot is its owner's memory: its header names the owner's error record (pid)
-  owners = [p0["pid"], p0["pid"], p1["pid"], p1["pid"]]
+  # each slot is its owner's memory: its header names the owner's error record
+  owners = [p0["error_record"]] * 2 + [p1["error_record"]] * 2
+  assert p0["error_record"] != p1["error_record"]
   assert p0["error_slots"] == p1["error_slots"] == owners
-  assert p0["peer_wrote"].rstrip("\0") == "hello from 1"
-  assert p1["peer_wrote"].rstrip("\0") == "hello from 0"
+  assert p0["peer_wrote"] == "hello from 1" and p1["peer_wrote"] == "hello from 0"
+
+
+def test_symmetric_workspace_across_processes_shares_memory():
+  p0, p1 = _run_processes("workspace")
+  _check_shared_workspace(p0, p1)
+  assert p0["live_after_close"] == p1["live_after_close"] == {
+      "handles": 0, "reserved": 0, "mapped": 0}
+
+
+def test_driver_bindings_across_processes_on_a_mock_libcuda(tmp_path):
+  """runtime/cuda.py's ctypes calls (struct layouts, 64-bit arguments, handle types, export and
+  import of descriptors, hinted reservations) against a host-memory libcuda.so.1."""
+  import shutil
+  cc = shutil.which("cc") or shutil.which("gcc")
+  if cc is None:
+    pytest.skip("no C compiler to build the mock libcuda")
+  subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(tmp_path / "libcuda.so.1"),
+                  os.path.join(HERE, "mock_libcuda.c")], check=True)
+  p0, p1 = _run_processes("workspace_libcuda", env_extra={
+      "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"})
+  assert p0["libcuda"] == p1["libcuda"] == [str(tmp_path / "libcuda.so.1")]
+  _check_shared_workspace(p0, p1)
 
 
 def test_planning_falls_back_across_hosts_in_every_process():
