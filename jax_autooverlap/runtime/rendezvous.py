@@ -60,7 +60,12 @@ def process_index() -> int:
 def host_id() -> str:
   """This machine's identity: processes with equal ids can share memory through file
   descriptors (host name + kernel boot id, so containers on one machine count as
-  different hosts unless they share the host name)."""
+  different hosts unless they share the host name).
+
+  Not taken from the devices: in jax 0.11 multi-process CPU runs every device has
+  slice_index 0 whatever its host (checked), and on GPUs a slice may be an NVLink
+  domain spanning hosts, where descriptors cannot travel.
+  """
   try:
     with open("/proc/sys/kernel/random/boot_id") as f:
       boot = f.read().strip()
