@@ -72,24 +72,35 @@ def test_workspace_layout_and_address_table():
   devices = np.arange(8).reshape(2, 4)  # mesh ("a", "x"), gathering over "x"
   mesh = SimpleNamespace(axis_names=("a", "x"), devices=devices)
   addresses = [(i + 1) << 33 | 0x1234 for i in range(8)]
-  table = _address_table(mesh, "x", 4, addresses, err_address=(99 << 32) | 7)
+  table = _address_table(mesh, "x", 4, addresses)
   assert table.shape == (2, 10) and table.dtype == np.uint32
   for g in range(2):
     for r in range(4):
       addr = int(table[g, 2 * r]) | int(table[g, 2 * r + 1]) << 32
       assert addr == addresses[devices[g, r]]
-    assert int(table[g, 8]) | int(table[g, 9]) << 32 == (99 << 32) | 7
+    assert int(table[g, 8]) == int(table[g, 9]) == 0  # reserved: error record is in the header
 
 
 class _FakeGpu:
   platform = "gpu"
   device_kind = "NVIDIA H200"
+  process_index = 0
+
+  def __init__(self, i):
+    self.id = self.local_hardware_id = i
 
 
 def _fake_gpu_mesh():
   from types import SimpleNamespace
-  return SimpleNamespace(devices=np.array([_FakeGpu(), _FakeGpu()]), axis_names=("x",),
+  return SimpleNamespace(devices=np.array([_FakeGpu(0), _FakeGpu(1)]), axis_names=("x",),
                          shape={"x": 2})
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_cuda_driver(monkeypatch):
+  """Planning a kernel sets up the symmetric workspace: here through a stand-in driver."""
+  from fake_cuda import FakeDriver
+  monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=FakeDriver()))
 
 
 _FAST = {"block_k": 64, "block_m": 128, "block_n": 256, "chunks": 8, "group_m": 8,

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
-
-from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
+                                          table_address, wait_at_least)
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def ag_gemm_kernel(
   pid = tl.program_id(0)
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
-  err_addr = table_address(table_ptr, WORLD)
+  err_slot = ws + ERROR_SLOT_OFFSET
   header = ws.to(tl.pointer_type(tl.int32))
   epoch = tl.load(header)
   parity = epoch % 2
@@ -90,7 +90,7 @@ def ag_gemm_kernel(
         else:
           c = tm // TILES_PER_CHUNK
           wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                        err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+                        err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      BLOCK_M, COPY_COLS)
 
@@ -126,7 +126,7 @@ def ag_gemm_kernel(
     if src != rank:
       c = tm // TILES_PER_CHUNK
       wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                    err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+                    err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
       a_desc = bufs_desc
       row0 += src * M_SHARD
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
-
-from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
+                                          table_address, wait_at_least)
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def gemm_rs_kernel(
   out_dtype = out_ptr.dtype.element_ty
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
-  err_addr = table_address(table_ptr, WORLD)
+  err_slot = ws + ERROR_SLOT_OFFSET
   header = ws.to(tl.pointer_type(tl.int32))
   epoch = tl.load(header)
   parity = epoch % 2
@@ -119,7 +119,7 @@ def gemm_rs_kernel(
         if r == rank:
           total += acc
         else:
-          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
                         TIMEOUT_NS)
           total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
       o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))

@@ -15,7 +15,7 @@ import numpy as np
 
 from jax_autooverlap.ops import fused
 from jax_autooverlap.ops.reference import RingParams
-from jax_autooverlap.runtime import context
+from jax_autooverlap.runtime import context, workspace
 from jax_autooverlap.tuning import select
 from jax_autooverlap.tuning.config import OverlapConfig
 
@@ -38,12 +38,14 @@ class DotDims:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, axis_name=None) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
   (batch, rows, contraction, columns) sizes per device.  Shared by the ops
-  and by ao.explain, so the report says what actually runs.
+  and by ao.explain, so the report says what actually runs.  Where the tuner
+  picks the kernel, the workspace registry must also support the axis' groups
+  (collective over the mesh's processes: the same answer in every process).
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, f"{config.impl} (forced by OverlapConfig)"
@@ -72,10 +74,15 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
     verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
+    support = None
     if verdict.kernel is not None:
+      support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
+          op, axis_size, rows, k, cols, dtype, out_dtype))
+    if support is not None and support.ok:
+      spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason})"
-    why = verdict.reason
+          f"triton kernel ({verdict.reason}){spread}"
+    why = verdict.reason if support is None else support.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, f"unfused program on gpu ({why})"
@@ -102,13 +109,14 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh)
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
+                      axis_name=ring.axis_name)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
                           config=config, mesh=mesh)
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
-             dtype, out_dtype, config: OverlapConfig, mesh) -> str:
+             dtype, out_dtype, config: OverlapConfig, mesh, axis_name=None) -> str:
   """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
   dims = DotDims(dn, len(lhs_shape), len(rhs_shape))
   shapes = [list(lhs_shape), list(rhs_shape)]
@@ -124,6 +132,6 @@ def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_s
   if op == "ag_k":
     canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
   try:
-    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh)[2]
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, axis_name=axis_name)[2]
   except ValueError as e:
     return f"error: {e}"

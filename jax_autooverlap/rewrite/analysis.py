@@ -75,14 +75,14 @@ def _concrete(mesh):
     return None
 
 
-def _impl_note(ctx, kind, deqn, operand, dim, axis_size):
+def _impl_note(ctx, kind, deqn, operand, dim, axis_size, axis_name):
   """What will run for a fused match: the same decision the op makes."""
   lhs, rhs = deqn.invars
   dtype = lhs.aval.dtype if lhs.aval.dtype == rhs.aval.dtype else None
   n = axis_size or 1
   return describe(kind, lhs.aval.shape, rhs.aval.shape, operand, dim,
                   deqn.params["dimension_numbers"], n, dtype, deqn.outvars[0].aval.dtype,
-                  ctx.config, ctx.mesh)
+                  ctx.config, ctx.mesh, axis_name)
 
 
 class _Analyzer:
@@ -188,7 +188,7 @@ class _Analyzer:
       return False
     need_gathered = len(ctx.uses[v]) > 1 or v in ctx.outvars
     match = Match(status="fused", reason="",
-                  impl=_impl_note(ctx, "ag_matmul", deqn, operand, dim, n), **base)
+                  impl=_impl_note(ctx, "ag_matmul", deqn, operand, dim, n, axes[0]), **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, gi)] = SKIP
@@ -256,7 +256,7 @@ class _Analyzer:
       return False
     op_idx, op_dim = (0, dd.lf[dim - nb]) if operand == "lhs" else (1, dd.rf[dim - nb - nlf])
     match = Match(status="fused", reason="",
-                  impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim, n), **base)
+                  impl=_impl_note(ctx, "matmul_rs", deqn, op_idx, op_dim, n, axes[0]), **base)
     self._record(match)
     key = id(ctx.jaxpr)
     self.plan.actions[(key, di)] = SKIP
