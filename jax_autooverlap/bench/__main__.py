@@ -1,6 +1,7 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback.py)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -278,6 +279,9 @@ def _gpu_name():
 
 
 def main(argv=None):
+  if "--loopback" in (sys.argv[1:] if argv is None else argv):  # one GPU: bench/loopback.py
+    from jax_autooverlap.bench import loopback
+    return loopback.main(argv)
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
