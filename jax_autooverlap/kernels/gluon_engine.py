@@ -45,10 +45,11 @@ TILE_RING = gl.constexpr(2)       # tile numbers in flight between producer and 
 
 
 @gluon.constexpr_function
-def mma_layout(block_n, num_warps):
-  """Accumulator layout: warps stacked along M (16 rows each), one wgmma m64nNk16 per warpgroup."""
+def mma_layout(block_n, num_warps, dtype):
+  """Accumulator layout: warps stacked along M (16 rows each), so each warpgroup issues wgmma
+  m64 x n{block_n} x k(256 / bits of the operand dtype: 16 for bf16/f16, 8 for tf32)."""
   return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                   instr_shape=[16, block_n, 16])
+                                   instr_shape=[16, block_n, 256 // dtype.primitive_bitwidth])
 
 
 @gluon.constexpr_function
@@ -60,15 +61,6 @@ def shared_layout(block_shape, dtype):
 def row_layout(num_warps):
   """A 1-element-per-thread layout for small int32 vectors in shared memory (the tile ring)."""
   return gl.BlockedLayout([1], [32], [num_warps], [0])
-
-
-@gluon.jit
-def full_write_wait():
-  """Wait until every TMA store this thread issued has been written to global memory (not only
-  read out of shared memory), then order those async-proxy writes before this thread's later
-  generic-proxy operations.  Every thread runs it, so it covers whichever threads issued."""
-  tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
-                            "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -144,7 +136,7 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
   goes back to the producer.  The last stage goes back after the final wait.
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
-  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS))
+  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
   prev = it
   for k in range(0, K, BLOCK_K):
     s = it % STAGES
