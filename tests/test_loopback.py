@@ -76,14 +76,19 @@ def test_cpu_trace_has_no_device_kernels(tmp_path):
   assert lb.device_kernel_events(tmp_path) == []  # -> the benchmark falls back to wall clock
 
 
-def test_kernel_configs_start_from_the_tuners_pick():
-  from jax_autooverlap.tuning.select import default_kernel
+def test_kernel_configs_are_the_tuners_pick_with_each_engine():
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import OverlapConfig
   case = lb.Case("ag", 4096, 8192, 8192)
-  cfgs = lb.kernel_configs(case, "NVIDIA H200", ["tl"])
-  assert list(cfgs) == ["tl"]
-  base = default_kernel(jnp.bfloat16)
-  assert (cfgs["tl"].block_m, cfgs["tl"].block_n, cfgs["tl"].block_k) == (
-      base.block_m, base.block_n, base.block_k)
+  cfgs = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
+  assert [c.engine for c in cfgs.values()] == ["tl", "gluon"]
+  picked = select.choose_ag(OverlapConfig(), "NVIDIA H200", 2, 2048, 8192, 4096, jnp.bfloat16,
+                            jnp.bfloat16).kernel or select.default_kernel(jnp.bfloat16)
+  for cfg in cfgs.values():
+    assert (cfg.chunks, cfg.num_comm, cfg.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
+  # float32 has no Gluon path: skipped with the tuner's reason
+  assert list(lb.kernel_configs(lb.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
+                                ["tl", "gluon"])) == ["tl"]
 
 
 def test_table_and_records():
@@ -104,3 +109,20 @@ def test_parse_args_requires_loopback_flag():
   assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
+
+
+def test_kernel_lines_are_the_stream_lines_else_all_but_xlas_derived_ones():
+  from types import SimpleNamespace as L
+  lines = [L(name="XLA Modules"), L(name="XLA Ops"), L(name="Stream #13(Compute)")]
+  assert [x.name for x in lb.kernel_lines(lines)] == ["Stream #13(Compute)"]
+  lines = [L(name="XLA Ops"), L(name="Steps"), L(name="gpu kernels")]
+  assert [x.name for x in lb.kernel_lines(lines)] == ["gpu kernels"]
+
+
+def test_interleaved_timing_falls_back_to_wall_clock_without_device_events():
+  f = jax.jit(lambda x: x @ x)
+  x = jnp.ones((32, 32))
+  out = lb.time_interleaved({"a": (f, (x,), None), "b": (f, (x,), ("nothing",))}, rounds=2, calls=2)
+  for impl in "ab":
+    ms, info = out[impl]
+    assert ms > 0 and info["timing"] == "wall_clock" and len(info["round_ms"]) == 2

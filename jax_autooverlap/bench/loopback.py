@@ -22,10 +22,11 @@ Contestants, run interleaved (rounds of back-to-back calls of each in turn):
   ours        the fused kernel with the engine the tuner would pick: the
               fastest correct engine of this run (field `engine`)
   ours_tl     the fused kernel with the plain `tl` engine
-Times are per-call device times of the kernels (XLA's profiler, CUPTI),
-without the loopback set-up kernel; median over all calls, and the spread of
-the per-round medians.  Without device events (no CUPTI) wall-clock batches
-are used instead (field `timing`).  Every fused contestant is first checked
+Times are device times of the contestant's kernels (jax.profiler, CUPTI),
+without the loopback set-up kernel: per round the mean per call, then the
+median over rounds (`round_ms` keeps every round: the spread, e.g. under the
+power cap; `kernels` the kernel names counted).  Without device events (no
+CUPTI) wall-clock batches are used instead (field `timing`).  Every fused contestant is first checked
 against the unfused computation (jnp on the same GPU): its output, and what
 it pushed into the peer's buffer; a wrong one is reported and not timed.
 """
@@ -282,31 +283,37 @@ class Loopback:
 
 # --- timing -------------------------------------------------------------------------------------
 
+def kernel_lines(lines):
+  """The lines of a device plane that hold the kernels themselves: the per-stream lines, else
+  every line but XLA's derived ones ("XLA Ops", "XLA Modules", ... repeat the same work)."""
+  streams = [line for line in lines if line.name.startswith("Stream")]
+  return streams or [line for line in lines if not line.name.startswith("XLA")
+                     and line.name not in ("Launch Stats", "Steps", "Framework Name Scope")]
+
+
 def device_kernel_events(trace_dir) -> list[tuple[str, float]]:
   """(kernel name, duration ms) of every GPU kernel in a jax.profiler trace directory, in
-  start order.  Only the device planes' stream lines count (XLA's derived "XLA Ops" / "XLA
-  Modules" lines repeat the same work under HLO names)."""
+  start order."""
   from jax.profiler import ProfileData
   events = []
   for path in glob.glob(str(pathlib.Path(trace_dir) / "**" / "*.xplane.pb"), recursive=True):
     for plane in ProfileData.from_file(path).planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      lines = [line for line in plane.lines if line.name.startswith("Stream")]
-      for line in lines:
-        events += [(e.start_ns, e.name, e.duration_ns / 1e6) for e in line.events]
+      if plane.name.startswith("/device:GPU"):
+        for line in kernel_lines(list(plane.lines)):
+          events += [(e.start_ns, e.name, e.duration_ns / 1e6) for e in line.events]
   return [(name, ms) for _, name, ms in sorted(events)]
 
 
-def per_call_ms(events, kernel_names, calls: int, exclude=(ARM_KERNEL,)) -> float | None:
-  """Device time per call: the kernels of one contestant (names containing any of
-  `kernel_names`; None: every kernel not excluded) summed over the calls of one round."""
-  total = 0.0
-  for name, ms in events:
-    if any(x in name for x in exclude):
-      continue
-    if kernel_names is None or any(x in name for x in kernel_names):
-      total += ms
+def counted(events, kernel_names, exclude=(ARM_KERNEL,)):
+  """The events of one contestant: names containing any of `kernel_names` (None: every kernel
+  but the excluded set-up kernel; the GEMM alone may be several kernels)."""
+  return [(name, ms) for name, ms in events if not any(x in name for x in exclude)
+          and (kernel_names is None or any(x in name for x in kernel_names))]
+
+
+def per_call_ms(events, kernel_names, calls: int) -> float | None:
+  """Device time per call of one contestant over a round of `calls` calls."""
+  total = sum(ms for _, ms in counted(events, kernel_names))
   return total / calls if total > 0 else None
 
 
@@ -345,7 +352,7 @@ class _ClockSampler:
 
 
 def time_interleaved(contestants: dict, rounds: int, calls: int) -> dict:
-  """{impl: (median ms, {"round_ms": [...], "timing": ...})}.  contestants: impl ->
+  """{impl: (median ms, {"round_ms": [...], "timing": ..., "kernels": [...]})}.  contestants: impl ->
   (fn, args, kernel names or None).  Every round runs `calls` back-to-back calls of each
   contestant in turn under the profiler; wall-clock batches where it records no GPU kernel."""
   import jax
@@ -353,19 +360,23 @@ def time_interleaved(contestants: dict, rounds: int, calls: int) -> dict:
     jax.block_until_ready(fn(*args))
   rounds_ms = {impl: [] for impl in contestants}
   timing = {impl: "cupti" for impl in contestants}
+  kernels = {impl: [] for impl in contestants}
   for _ in range(rounds):
     for impl, (fn, args, names) in contestants.items():
       with tempfile.TemporaryDirectory(prefix="ao-loopback-") as d:
         with jax.profiler.trace(d):
           jax.block_until_ready([fn(*args) for _ in range(calls)])
-        ms = per_call_ms(device_kernel_events(d), names, calls)
+        events = device_kernel_events(d)
+      ms = per_call_ms(events, names, calls)
+      kernels[impl] = sorted({name for name, _ in counted(events, names)})
       if ms is None:  # no device events: wall clock of a batch, outside the profiler
         timing[impl] = "wall_clock"
         t0 = time.perf_counter()
         jax.block_until_ready([fn(*args) for _ in range(calls)])
         ms = (time.perf_counter() - t0) * 1e3 / calls
       rounds_ms[impl].append(ms)
-  return {impl: (statistics.median(v), {"round_ms": [round(x, 4) for x in v], "timing": timing[impl]})
+  return {impl: (statistics.median(v), {"round_ms": [round(x, 4) for x in v],
+                                        "timing": timing[impl], "kernels": kernels[impl]})
           for impl, v in rounds_ms.items()}
 
 
@@ -375,7 +386,7 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
   verdict, else the default), with each engine."""
   from jax_autooverlap.tuning import select
-  from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
+  from jax_autooverlap.tuning.config import OverlapConfig
   dtype = _np_dtype(case.dtype)
   if case.op == "ag":
     v = select.choose_ag(OverlapConfig(), device_kind, WORLD, case.m // WORLD, case.k,
@@ -384,13 +395,20 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
     v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
                          dtype, dtype)
   base = v.kernel or select.default_kernel(dtype)
-  fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
   out = {}
   for engine in engines:
-    if "engine" in fields:
-      out[engine] = KernelConfig(**{**fields, "engine": engine})
-    elif engine == "tl":
-      out[engine] = base
+    try:
+      cfg = dataclasses.replace(base, engine=engine)
+    except ValueError as e:  # the tuner's tiles do not fit this engine
+      _log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
+      continue
+    # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
+    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
+                             cfg)
+    if why is None:
+      out[engine] = cfg
+    else:
+      _log(f"{case.op} {case.label}: engine {engine} skipped: {why}")
   return out
 
 
@@ -482,6 +500,9 @@ def main(argv=None) -> int:
     print("bench --loopback: needs an NVIDIA GPU", file=sys.stderr)
     return 2
   engines = [e for e in args.engines.split(",") if e]
+  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
+    _log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
+    engines.remove("gluon")
   gpu, date, versions = gpus[0].device_kind.replace(" ", "-"), datetime.date.today().isoformat(), _versions()
   records = []
   for case in cases:

@@ -40,7 +40,9 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 NUM_WARPS = gl.constexpr(8)       # consumers: two warpgroups (the kernel's num_warps)
 PRODUCER_WARPS = gl.constexpr(1)
-PRODUCER_REGS = gl.constexpr(40)  # the producer holds scalars; setmaxnreg gives the rest to the consumers
+# The producer holds scalars (tile decode, 64-bit addresses, the bounded wait); setmaxnreg
+# gives the rest of the register file to the consumers (224 per thread with 8 + 4 warps).
+PRODUCER_REGS = gl.constexpr(56)
 TILE_RING = gl.constexpr(2)       # tile numbers in flight between producer and consumers
 
 
@@ -95,6 +97,7 @@ def publish_tile(tiles, tile_ready, tile_free, j, t):
   slot = j % TILE_RING
   mbarrier.wait(tile_free.index(slot), ((j // TILE_RING) & 1) ^ 1)
   tiles.index(slot).store(gl.full([1], t, gl.int32, row_layout(PRODUCER_WARPS)))
+  tl.debug_barrier()  # whichever lane stored, before the (single-thread) release by arrive
   mbarrier.arrive(tile_ready.index(slot), count=1)
 
 

@@ -76,7 +76,7 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
     if verdict.kernel is not None:
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason})"
+          f"triton kernel ({verdict.reason}; {verdict.kernel.engine} engine)"
     why = verdict.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
