@@ -2,7 +2,9 @@
 # One device call: install the carried wheels, log the machine, then run the steps asked for.
 # Usage (device tool, carry [".whl"]): bash bench/run_device.sh STEP...
 #   tests-ag | tests-rs   the GPU tests of one kernel (pytest -m gpu; TEST_ARGS passed on)
+#   tests-loopback | tests-gluon_gemm   one-GPU tests: fused kernels in loopback, the Gluon engine's GEMM
 #   bench-ag | bench-rs   python -m jax_autooverlap.bench ag|rs (BENCH_ARGS passed on)
+#   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
 #   any/path.py           a Python script run in the same environment (experiments)
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
@@ -20,12 +22,15 @@ rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests-ag|tests-rs)
+    tests-ag|tests-rs|tests-loopback|tests-gluon_gemm)
       timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "tests/test_gpu_${step#tests-}.py" \
         -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
     bench-ag|bench-rs)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#bench-}" --out "$OUT" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+    loopback-ag|loopback-rs)
+      timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
+        --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;
