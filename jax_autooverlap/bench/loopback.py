@@ -503,7 +503,8 @@ def main(argv=None) -> int:
   if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
     _log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
     engines.remove("gluon")
-  gpu, date, versions = gpus[0].device_kind.replace(" ", "-"), datetime.date.today().isoformat(), _versions()
+  gpu, versions = gpus[0].device_kind.replace(" ", "-"), _versions()
+  date = datetime.date.today().isoformat()
   records = []
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
