@@ -81,7 +81,7 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     if support is not None and support.ok:
       spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason}){spread}"
+          f"triton kernel ({verdict.reason}; {verdict.kernel.engine} engine){spread}"
     why = verdict.reason if support is None else support.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")

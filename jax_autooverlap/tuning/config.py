@@ -15,6 +15,10 @@ IMPLS: tuple[str, ...] = ("auto", "reference", "unfused", "triton")
 
 DEFAULT_CHUNKS = 1
 
+# GPU kernel engines: "tl" the portable Triton kernels (kernels/ag_gemm.py, gemm_rs.py), "gluon"
+# the warp-specialised Gluon kernels for sm_90 (kernels/gluon_*.py).  The tuner picks by measurement.
+ENGINES: tuple[str, ...] = ("tl", "gluon")
+
 
 def _positive_int(owner: str, name: str, value, allow_none=False):
   if value is None and allow_none:
@@ -35,16 +39,29 @@ class KernelConfig:
   num_stages: int = 3
   chunks: int = 4      # communication chunks per shard (arrival granularity)
   num_comm: int = 8    # CTAs that move data (the rest compute)
+  engine: str = "tl"   # one of ENGINES
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      _positive_int("KernelConfig", f.name, getattr(self, f.name))
+      if f.name != "engine":
+        _positive_int("KernelConfig", f.name, getattr(self, f.name))
+    if self.engine not in ENGINES:
+      raise ValueError(f"KernelConfig: engine={self.engine!r} is not one of {ENGINES}")
     for f in ("block_m", "block_n", "block_k"):
       v = getattr(self, f)
       if v & (v - 1) or v < 16:
         raise ValueError(f"KernelConfig: {f}={v} must be a power of two >= 16")
     if self.num_warps not in (4, 8):
       raise ValueError(f"KernelConfig: num_warps={self.num_warps} must be 4 or 8")
+    if self.engine == "gluon":
+      # two consumer warpgroups of 64 rows each; one wgmma is at most 256 columns wide; the
+      # producer needs a second stage to fill while the consumers read the first
+      need = {"block_m": (self.block_m == 128, "128"), "block_n": (self.block_n <= 256, "<= 256"),
+              "num_warps": (self.num_warps == 8, "8"), "num_stages": (self.num_stages >= 2, ">= 2")}
+      for name, (ok, want) in need.items():
+        if not ok:
+          raise ValueError(f"KernelConfig: {name}={getattr(self, name)} must be {want} for "
+                           "engine='gluon'")
 
   def smem_bytes(self, in_bytes: int, out_bytes: int) -> int:
     """Shared memory of the GEMM pipeline plus the TMA-store epilogue."""

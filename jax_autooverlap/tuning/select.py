@@ -56,9 +56,11 @@ def _measured_here(op: str, device_kind: str, world: int) -> bool:
 
 
 def default_kernel(dtype) -> KernelConfig:
+  """The config where no measurement names one.  Its engine is $JAX_AUTOOVERLAP_ENGINE if set
+  (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl"."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
-  return KernelConfig()
+  return KernelConfig(engine=os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl"))
 
 
 def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig) -> str | None:
@@ -70,6 +72,8 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
     return f"K={k} and N={n} rows must be 16-byte aligned for TMA"
   if k % 64:
     return f"K={k} must be a multiple of 64"
+  if cfg.engine == "gluon" and dt.itemsize != 2:
+    return f"the gluon engine takes 16-bit operands (wgmma), not {dt.name}"
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
     return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
   return None
