@@ -64,6 +64,9 @@ class Plan:
 def analyze(closed_jaxpr, config: OverlapConfig | None = None) -> Plan:
   plan = Plan()
   _Analyzer(plan, config or OverlapConfig()).walk(closed_jaxpr.jaxpr, False, "", None)
+  if not plan.report.matches:  # say what was looked at and what to change
+    from jax_autooverlap.rewrite import explicit
+    plan.report.notes.extend(explicit.survey(closed_jaxpr))
   return plan
 
 
@@ -107,6 +110,9 @@ class _Analyzer:
           changed = True
     if manual:
       changed |= self._match(jaxpr, path or "/", mesh)
+    else:  # no shard_map: collectives implied by explicit-sharding types
+      from jax_autooverlap.rewrite import explicit  # explicit.py builds on this module
+      changed |= explicit.match(self.plan, self.config, jaxpr, path or "/")
     return changed
 
   def _match(self, jaxpr, path, mesh) -> bool:
