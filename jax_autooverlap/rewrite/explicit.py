@@ -558,7 +558,7 @@ class _Matcher:
     dots = [self.eqns[self.producer[u]] for u in terms if u in self.producer
             and self.eqns[self.producer[u]].primitive.name == "dot_general"]
     comms = [self._comm(d) for d in dots]
-    if not any(c is not None and c.kind == "local" and axis in c.summed for c in comms):
+    if not any(c is not None and axis in c.summed for c in comms):
       return False  # no matmul whose partial sums over the axis this reshard scatters
     # The scattered dim, traced back from the reshard to the product.
     dims, d = [], dim
@@ -567,7 +567,10 @@ class _Matcher:
       d = dim_through(ceqn, d, n, forward=False) if d is not None else None
     c0 = comms[0]
     summed = c0.summed - {axis} if c0 is not None and c0.kind == "local" else frozenset()
-    reason = ("the reduce-scattered value sums matmuls with other terms"
+    fused_gather = next((self.claimed[j] for j in map(self.eqns.index, dots)
+                         if j in self.claimed), None)
+    reason = (f"the matmul already fuses a gather over {fused_gather!r}" if fused_gather else
+              "the reduce-scattered value sums matmuls with other terms"
               if len(dots) != len(terms) else self._sum_reason(dots, comms, axis))
     return self._fuse_rs(ri, dots, axis, d, dim, list(zip(chain, dims)), reqn, summed,
                          sums=sums, reason=reason)
@@ -597,8 +600,6 @@ class _Matcher:
       base.update(dim_kind="batch" if dim < nb else "free",
                   operand=None if dim < nb else "lhs" if dim < nb + nlf else "rhs")
     reason = reason or (
-        "the matmul already feeds a fused all_gather" if any(
-            self.eqns.index(d) in self.claimed for d in dots) else
         "a layout op between matmul and reduce-scatter splits the scattered dim" if dim is None
         else "scattered dim is a batch dim of the matmul" if dim < nb else
         self._dtype_reason(deqn))
