@@ -198,6 +198,36 @@ def test_gather_with_replicated_weight_and_batch_dims():
     check_close(ao.jit(g)(x, w), jax.jit(g)(x, w))
 
 
+def test_casts_reshapes_and_all_reduce_then_reshard():
+  """Layout ops on both sides: gather -> cast -> matmul; matmul (all-reduced) -> reshape ->
+  reshard.  Without jax.set_mesh (the shardings name the mesh); grad of an ao.jit function."""
+  mesh = explicit_mesh((4,), ("tp",))
+  named = lambda *spec: NamedSharding(mesh, P(*spec))
+  x = jax.device_put(randn(fresh_key(), (32, 16), np.float32), named("tp", None))
+  w1 = jax.device_put(randn(fresh_key(), (16, 24), jnp.bfloat16), named(None, "tp"))
+  w2 = jax.device_put(randn(fresh_key(), (24, 16), jnp.bfloat16), named("tp", None))
+
+  def f(x, w1, w2):
+    h = jax.nn.relu(reshard(x, named(None, None)).astype(jnp.bfloat16) @ w1)
+    y = jnp.matmul(h, w2, out_sharding=named(None, None))  # partial sums all-reduced ...
+    return reshard(y.reshape(4, 8, 16), named("tp", None, None))  # ... then scattered
+
+  report = ao.explain(f, x, w1, w2)
+  assert kinds(report) == [("ag_matmul", "fused"), ("matmul_rs", "fused")], str(report)
+  rs = report.matches[1]
+  assert (rs.collective_dim, rs.operand, rs.dim_kind, rs.out_shape) == (0, "lhs", "free", (32, 16))
+  got, want = ao.jit(f)(x, w1, w2), jax.jit(f)(x, w1, w2)
+  assert got.sharding.spec == want.sharding.spec
+  assert_close(got, want, jnp.bfloat16)
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(np.float32) ** 2)
+  want = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, w1, w2)
+  for got in (ao.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, w1, w2),
+              jax.jit(jax.grad(loss(ao.jit(f)), argnums=(0, 1, 2)))(x, w1, w2)):
+    for g, w in zip(got, want):
+      assert g.sharding.spec == w.sharding.spec
+      assert_close(g, w, jnp.bfloat16)
+
+
 def test_skip_reasons():
   mesh = explicit_mesh((4,), ("tp",))
   with jax.set_mesh(mesh):

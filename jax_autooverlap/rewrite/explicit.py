@@ -204,6 +204,9 @@ class AgFusion(ExplicitAction):
   mesh: Any
   cmesh: Any
 
+  def reads(self):
+    return (self.shard_var, self.dot_eqn.invars[1 - self.operand])
+
   def emit(self, interp, read, env):
     a, n, x = self.match.axis_name, self.match.axis_size, self.operand
     p = self.dot_eqn.params
@@ -233,6 +236,17 @@ class AgFusion(ExplicitAction):
       env[self.gathered_key] = outs[1]
 
 
+def _producers_first(fusions):
+  """Order fused ops placed at one equation so that each runs after those it reads from."""
+  pending, ordered = list(fusions), []
+  while pending:
+    f = next(f for f in pending
+             if not any(g is not f and g.gathered_key in f.reads() for g in pending))
+    pending.remove(f)
+    ordered.append(f)
+  return ordered
+
+
 @dataclasses.dataclass(eq=False)
 class GatheredDot(ExplicitAction):
   """A dot_general reading the gathered value another matmul's fused op produced."""
@@ -247,14 +261,25 @@ class GatheredDot(ExplicitAction):
 
 
 @dataclasses.dataclass(eq=False)
-class _Then(ExplicitAction):
-  """Two actions at one equation: a fused op, then a matmul reading its gathered value."""
-  first: ExplicitAction
-  second: ExplicitAction
+class _Bind(ExplicitAction):
+  """The equation itself, bound as written."""
+  eqn: Any
 
   def emit(self, interp, read, env):
-    self.first.emit(interp, read, env)
-    self.second.emit(interp, read, env)
+    outs = self.eqn.primitive.bind(*(read(v) for v in self.eqn.invars), **self.eqn.params)
+    outs = outs if self.eqn.primitive.multiple_results else [outs]
+    env.update(zip(self.eqn.outvars, outs))
+
+
+@dataclasses.dataclass(eq=False)
+class _Then(ExplicitAction):
+  """Several actions at one equation: fused ops placed ahead of a matmul that reads their
+  gathered value, then the equation's own action."""
+  actions: tuple
+
+  def emit(self, interp, read, env):
+    for action in self.actions:
+      action.emit(interp, read, env)
 
 
 @dataclasses.dataclass(eq=False)
@@ -331,8 +356,12 @@ class _Matcher:
       for v in eqn.outvars:
         self.producer[v] = i
     self.outvars = {v for v in jaxpr.outvars if _jax.is_var(v)}
-    self.cmesh = _jax.context_mesh()
+    # The GPU kernels need the concrete mesh: jax.set_mesh's, or the one a reshard names.
+    self.cmesh = _jax.context_mesh() or next(
+        (e.params["concrete_mesh"] for e in self.eqns if e.primitive.name == "reshard"
+         and e.params.get("concrete_mesh") is not None), None)
     self.claimed: dict[int, str] = {}  # dot index -> the fused collective's axis
+    self.ahead = defaultdict(list)  # eqn index -> fused ops that run just before it
 
   def run(self) -> bool:
     changed = False
@@ -356,6 +385,10 @@ class _Matcher:
     for i, eqn in enumerate(self.eqns):
       if eqn.primitive.name == "reshard":
         changed |= self._scatter(i, eqn)
+    for i, fusions in self.ahead.items():  # fused ops run before their first consumer's action
+      own = self.plan.actions.get((id(self.jaxpr), i))
+      rest = [] if own is SKIP else [_Bind(self.eqns[i])] if own is None else [own]
+      self._act(i, _Then((*_producers_first(fusions), *rest)))
     return changed
 
   # -- helpers --------------------------------------------------------------------
@@ -430,34 +463,55 @@ class _Matcher:
     return _Gather(i, eqn, axis, dim, chain, gdim, broken, v, dots,
                    math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
 
+  def _gather_kind(self, j, value, dim):
+    """(operand index, kind of the gathered dim) of dot j consuming `value`; (None, None) if
+    `value` is both its operands."""
+    e = self.eqns[j]
+    if e.invars[0] is value and e.invars[1] is value:
+      return None, None
+    x = 0 if e.invars[0] is value else 1
+    (ab, ac, _), _ = DotDims(e.params["dimension_numbers"], *(v.aval.ndim for v in e.invars)).side(x)
+    return x, "batch" if dim in ab else "contracting" if dim in ac else "free"
+
+  def _pick(self, dots, value, dim):
+    """The dot to fuse among those consuming one gathered value: one whose operands exist at
+    the first (the fused op runs there; the others read its gathered value), a free-dim
+    gather (what the GPU kernel covers) first."""
+    first = dots[0]
+    options = [j for j in dots if j not in self.claimed and self._available_at(self.eqns[j], first)]
+    free = lambda j: self._gather_kind(j, value, dim)[1] == "free"
+    return min(options, key=lambda j: (not free(j), j)) if options else first
+
+  def _place(self, first, chosen, fusion):
+    """The fused op runs at the first consumer; the chosen dot's own equation is dropped."""
+    self.ahead[first].append(fusion)
+    self._skip(chosen)
+    self.claimed[chosen] = fusion.match.axis_name
+
   def _fuse_gather(self, g: _Gather) -> bool:
-    di = g.dots[0]
+    first = g.dots[0]
+    di = self._pick(g.dots, g.value, g.gather_dim) if g.gather_dim is not None else first
     deqn = self.eqns[di]
     mesh = _mesh(g.eqn.invars[0])
     n = mesh.shape[g.axis]
-    x = 0 if deqn.invars[0] is g.value else 1
-    both = deqn.invars[0] is g.value and deqn.invars[1] is g.value
-    comm = None if both else self._comm(deqn)
+    x, dim_kind = self._gather_kind(di, g.value, g.gather_dim)
+    comm = None if x is None else self._comm(deqn)
     specs = [_spec(v) for v in (*deqn.invars, deqn.outvars[0])]
     shapes = [_local_shape(v, s, mesh) if s is not None else tuple(v.aval.shape)
               for v, s in zip((*deqn.invars, deqn.outvars[0]), specs)]
     base = self._base("ag_matmul", g.axis, n, g.dim, deqn, shapes, g.eqn)
     base["n_dots"] = len(g.dots)
-    dd = DotDims(deqn.params["dimension_numbers"], *(v.aval.ndim for v in deqn.invars))
-    dim_kind = None
-    if not both and g.gather_dim is not None:
-      (ab, ac, _), _ = dd.side(x)
-      dim_kind = "batch" if g.gather_dim in ab else "contracting" if g.gather_dim in ac else "free"
+    if x is not None and g.gather_dim is not None:
       base.update(operand=("lhs", "rhs")[x], dim_kind=dim_kind)
     reason = (
         g.broken if g.broken else
-        "the gathered value is both operands of the matmul" if both else
+        "the gathered value is both operands of the matmul" if x is None else
         "gathered dim is a batch dim of the matmul" if dim_kind == "batch" else
         f"the matmul's other operand, gathered over {self.claimed[di]!r} (a larger transfer), "
         "is fused into it instead; this gather runs first, unfused" if di in self.claimed else
         self._dtype_reason(deqn) or
         ("the gathered value is used before the matmul"
-         if any(j < di for j in self.uses[g.value]) else None))
+         if any(j < first for j in self.uses[g.value]) else None))
     if reason is None and (comm is None or comm.kind != "local" or g.axis in comm.summed):
       reason = ("the matmul communicates besides this gather (operand shardings "
                 f"{_pspec(specs[0])} x {_pspec(specs[1])} -> {_pspec(specs[2])})")
@@ -469,41 +523,32 @@ class _Matcher:
                   impl=self._impl("ag_matmul", deqn, shapes, x, g.gather_dim, n, mesh), **base)
     self._record(match)
     self._skip(g.index, *(self.eqns.index(c) for c, _ in g.chain))
-    self._act(di, AgFusion(match, g.eqn.invars[0], _spec(g.eqn.invars[0]), tuple(g.chain),
-                           g.gather_dim, deqn, x, (specs[1 - x], specs[2], specs[x]),
-                           tuple(sorted(comm.summed)), g.value if need else None, mesh,
-                           self._cmesh_for(mesh)))
-    self.claimed[di] = g.axis
+    self._place(first, di, AgFusion(
+        match, g.eqn.invars[0], _spec(g.eqn.invars[0]), tuple(g.chain), g.gather_dim, deqn, x,
+        (specs[1 - x], specs[2], specs[x]), tuple(sorted(comm.summed)),
+        g.value if need else None, mesh, self._cmesh_for(mesh)))
     return True
 
   def _fuse_implicit_gather(self, members) -> bool:
     """Dots that each gather the same value: one fused op, the others reuse its gathered value."""
-    first = members[0][0]
-    dd = lambda e: DotDims(e.params["dimension_numbers"], *(v.aval.ndim for v in e.invars))
-    # Prefer a free-dim gather (the GPU kernel's case) that can run where the first one is.
-    def rank(member):
-      i, comm = member
-      e = self.eqns[i]
-      free = comm.dim in dd(e).side(comm.operand)[0][2]
-      return (not self._available_at(e, first), not free, i)
-    i, comm = min(members, key=rank)
-    deqn = self.eqns[i]
-    v = deqn.invars[comm.operand]
+    comms = dict(members)
+    first, (v, dim) = members[0][0], (self.eqns[members[0][0]].invars[members[0][1].operand],
+                                      members[0][1].dim)
+    i = self._pick([j for j, _ in members], v, dim)
+    comm, deqn = comms[i], self.eqns[i]
     mesh = _mesh(v)
     n = mesh.shape[comm.axis]
     specs = [_spec(u) for u in (*deqn.invars, deqn.outvars[0])]
     gathered_spec = _drop(specs[comm.operand], comm.dim)
     shapes = [_local_shape(u, s, mesh) for u, s in zip((*deqn.invars, deqn.outvars[0]), specs)]
     shapes[comm.operand] = _local_shape(v, gathered_spec, mesh)
-    (ab, ac, _), _ = dd(deqn).side(comm.operand)
-    dim_kind = "batch" if comm.dim in ab else "contracting" if comm.dim in ac else "free"
+    x, dim_kind = self._gather_kind(i, v, dim)
     base = self._base("ag_matmul", comm.axis, n, comm.dim, deqn, shapes, deqn)
-    base.update(operand=("lhs", "rhs")[comm.operand], dim_kind=dim_kind, n_dots=len(members))
-    both = deqn.invars[0] is deqn.invars[1]
-    reason = ("the gathered value is both operands of the matmul" if both else
-              self._dtype_reason(deqn) or
-              ("the matmul's operands are computed after the first use of the gathered value"
-               if not self._available_at(deqn, first) else None))
+    base["n_dots"] = len(members)
+    if x is not None:
+      base.update(operand=("lhs", "rhs")[x], dim_kind=dim_kind)
+    reason = ("the gathered value is both operands of the matmul" if x is None else
+              self._dtype_reason(deqn))
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
@@ -511,19 +556,15 @@ class _Matcher:
                   impl=self._impl("ag_matmul", deqn, shapes, comm.operand, comm.dim, n, mesh),
                   **base)
     self._record(match)
-    key = object() if len(members) > 1 else None
-    fusion = AgFusion(match, v, specs[comm.operand], (), comm.dim, deqn, comm.operand,
-                      (specs[1 - comm.operand], specs[2], gathered_spec),
-                      tuple(sorted(comm.summed)), key, mesh, self._cmesh_for(mesh))
-    readers = {j: GatheredDot(self.eqns[j], c.operand, key) for j, c in members if j != i}
-    if i != first:  # fused where the first member is, which then reads its gathered value
-      self._skip(i)
-      fusion = _Then(fusion, readers.pop(first))
-    self._act(first, fusion)
-    for j, action in readers.items():
-      self._act(j, action)
-    for j, _ in members:
-      self.claimed[j] = comm.axis
+    key = object() if len(members) > 1 else None  # env key of the gathered value
+    for j, c in members:
+      if j != i:
+        self._act(j, GatheredDot(self.eqns[j], c.operand, key))
+        self.claimed[j] = comm.axis
+    self._place(first, i, AgFusion(
+        match, v, specs[comm.operand], (), comm.dim, deqn, comm.operand,
+        (specs[1 - comm.operand], specs[2], gathered_spec), tuple(sorted(comm.summed)), key,
+        mesh, self._cmesh_for(mesh)))
     return True
 
   # -- scatters ---------------------------------------------------------------------
