@@ -5,7 +5,8 @@ Walks a closed jaxpr, recursing into every sub-jaxpr found in equation params
 higher-order primitive).  Inside shard_map bodies it matches
   all_gather -> [layout ops] -> dot_general     (kind "ag_matmul")
   dot_general -> [layout ops] -> reduce_scatter (kind "matmul_rs")
-Every candidate becomes a `Match`, fused or skipped with a reason.  The plan
+Outside shard_map, explicit.py matches the collectives that explicit-sharding
+types imply.  Every candidate becomes a `Match`, fused or skipped with a reason.  The plan
 says, per (jaxpr, equation index), what the interpreter does instead of
 binding the equation: skip it, emit a fused op, or rebuild a sub-jaxpr.
 """

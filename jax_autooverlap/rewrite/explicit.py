@@ -403,10 +403,8 @@ class _Matcher:
   def _act(self, i, action):
     self.plan.actions[(id(self.jaxpr), i)] = action
 
-  def _comm(self, eqn, replace=None):
+  def _comm(self, eqn):
     specs = [_spec(v) for v in (*eqn.invars, eqn.outvars[0])]
-    if replace is not None:
-      specs[replace[0]] = replace[1]
     if any(s is None for s in specs):
       return None
     dd = DotDims(eqn.params["dimension_numbers"], *(v.aval.ndim for v in eqn.invars))

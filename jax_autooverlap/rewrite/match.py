@@ -7,7 +7,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A collective next to a dot_general inside a shard_map body.
+  """A collective next to a dot_general inside a shard_map body (or implied by the sharding
+  types of a program without shard_map: origin "explicit").
 
   kind: "ag_matmul" (all_gather -> dot_general) or "matmul_rs"
     (dot_general -> psum_scatter).
