@@ -57,15 +57,3 @@ def eqn_context(eqn):
   """The context jax.core.eval_jaxpr binds an equation under (source info, name stack)."""
   name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
   return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
-
-
-def context_mesh():
-  """The concrete mesh of `jax.set_mesh` in scope, also while tracing (None if unset).
-
-  `jax.sharding.get_mesh()` refuses to answer inside jit; explicit-sharding
-  programs are traced under the user's `jax.set_mesh`, whose devices the GPU
-  kernels need.
-  """
-  from jax._src import mesh as mesh_lib
-  mesh = mesh_lib.get_concrete_mesh()
-  return None if mesh is None or getattr(mesh, "empty", True) else mesh

@@ -357,7 +357,7 @@ class _Matcher:
         self.producer[v] = i
     self.outvars = {v for v in jaxpr.outvars if _jax.is_var(v)}
     # The GPU kernels need the concrete mesh: jax.set_mesh's, or the one a reshard names.
-    self.cmesh = _jax.context_mesh() or next(
+    self.cmesh = context.current_mesh() or next(
         (e.params["concrete_mesh"] for e in self.eqns if e.primitive.name == "reshard"
          and e.params.get("concrete_mesh") is not None), None)
     self.claimed: dict[int, str] = {}  # dot index -> the fused collective's axis
