@@ -74,7 +74,8 @@ def _pspec(spec) -> P:
 
 
 def _local_shape(v, spec, mesh, split=None):
-  """v's block per device when every axis of `spec` is manual (and dim split[0] / split[1])."""
+  """v's block per device when every axis of `spec` is manual; split=(dim, n): that dim is
+  also divided by n (the shard of the fused collective's axis)."""
   shape = [size // math.prod(mesh.shape[a] for a in e) for size, e in zip(v.aval.shape, spec)]
   if split is not None:
     shape[split[0]] //= split[1]
@@ -110,6 +111,8 @@ class _Comm:
 
 
 def _classify(dd: DotDims, lhs, rhs, out) -> _Comm | None:
+  """What a dot_general with these operand/result shardings communicates (None: something
+  this module does not fuse, e.g. two axes gathered at once)."""
   summed = _sum_axes(dd, lhs, rhs, out)
   if summed is not None:
     return _Comm("local", summed=summed)
@@ -450,6 +453,8 @@ class _Matcher:
       if nxt.primitive.name not in LAYOUT_PRIMITIVES:
         break
       new = dim_through(nxt, gdim, n, forward=True) if broken is None else None
+      if _spec(nxt.outvars[0]) is None and broken is None:
+        new, broken = None, f"layout op {nxt.primitive.name} has no usable sharding type"
       if new is None and broken is None:
         broken = f"layout op {nxt.primitive.name} between gather and matmul splits the gathered dim"
       chain.append((nxt, new))
