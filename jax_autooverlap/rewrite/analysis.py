@@ -5,7 +5,8 @@ Walks a closed jaxpr, recursing into every sub-jaxpr found in equation params
 higher-order primitive).  Inside shard_map bodies it matches
   all_gather -> [layout ops] -> dot_general     (kind "ag_matmul")
   dot_general -> [layout ops] -> reduce_scatter (kind "matmul_rs")
-Every candidate becomes a `Match`, fused or skipped with a reason.  The plan
+Outside shard_map, explicit.py matches the collectives that explicit-sharding
+types imply.  Every candidate becomes a `Match`, fused or skipped with a reason.  The plan
 says, per (jaxpr, equation index), what the interpreter does instead of
 binding the equation: skip it, emit a fused op, or rebuild a sub-jaxpr.
 """
@@ -64,6 +65,9 @@ class Plan:
 def analyze(closed_jaxpr, config: OverlapConfig | None = None) -> Plan:
   plan = Plan()
   _Analyzer(plan, config or OverlapConfig()).walk(closed_jaxpr.jaxpr, False, "", None)
+  if not plan.report.matches:  # say what was looked at and what to change
+    from jax_autooverlap.rewrite import explicit
+    plan.report.notes.extend(explicit.survey(closed_jaxpr))
   return plan
 
 
@@ -107,6 +111,9 @@ class _Analyzer:
           changed = True
     if manual:
       changed |= self._match(jaxpr, path or "/", mesh)
+    else:  # no shard_map: collectives implied by explicit-sharding types
+      from jax_autooverlap.rewrite import explicit  # explicit.py builds on this module
+      changed |= explicit.match(self.plan, self.config, jaxpr, path or "/")
     return changed
 
   def _match(self, jaxpr, path, mesh) -> bool:

@@ -17,6 +17,7 @@ import jax
 from jax_autooverlap.ops.api import ag_matmul, matmul_rs
 from jax_autooverlap.rewrite import _jax
 from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
+from jax_autooverlap.rewrite.explicit import ExplicitAction
 from jax_autooverlap.rewrite.layout import apply_to_shard
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -62,6 +63,9 @@ class Interpreter:
           continue
         if isinstance(action, RsPlan):
           self._emit_rs(action, read, env)
+          continue
+        if isinstance(action, ExplicitAction):  # programs without shard_map: explicit.py
+          action.emit(self, read, env)
           continue
         invals = [read(v) for v in eqn.invars]
         if (key, i) in self.plan.rebuild:

@@ -7,7 +7,8 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A collective next to a dot_general inside a shard_map body.
+  """A collective next to a dot_general inside a shard_map body (or implied by the sharding
+  types of a program without shard_map: origin "explicit").
 
   kind: "ag_matmul" (all_gather -> dot_general) or "matmul_rs"
     (dot_general -> psum_scatter).
@@ -21,6 +22,8 @@ class Match:
     reuse its gathered value).
   source: the user's source line of the collective; path: where in the
     program (nesting of jit/shard_map/scan/...).
+  origin: "shard_map" (a collective in a shard_map body) or "explicit" (a
+    collective implied by the sharding types of a program without shard_map).
   """
   kind: str
   status: str
@@ -38,6 +41,7 @@ class Match:
   impl: str | None = None
   source: str = ""
   path: str = ""
+  origin: str = "shard_map"  # or "explicit": implied by explicit-sharding types, no shard_map
 
   @property
   def fused(self) -> bool:
@@ -52,6 +56,7 @@ def _shape(s):
 class Report:
   """All candidates of one traced program; `str(report)` is a readable table."""
   matches: list[Match] = dataclasses.field(default_factory=list)
+  notes: list[str] = dataclasses.field(default_factory=list)  # what was looked at, if empty
 
   @property
   def fused(self) -> list[Match]:
@@ -69,7 +74,8 @@ class Report:
 
   def __str__(self):
     if not self.matches:
-      return "jax_autooverlap: no all_gather/psum_scatter next to a dot_general was found."
+      return "\n".join(["jax_autooverlap: no all_gather/psum_scatter next to a dot_general was "
+                        "found."] + [f"  {note}" for note in self.notes])
     head = ("#", "kind", "status", "axis", "dim", "lhs", "rhs", "out", "dtype", "impl / reason",
             "source")
     rows = [head]
@@ -79,7 +85,8 @@ class Report:
       if m.n_dots > 1:
         note = f"{note}; {m.n_dots} dots share the gather"
       axis = f"{m.axis_name}" + (f"={m.axis_size}" if m.axis_size else "")
-      rows.append((str(i), m.kind, m.status, axis, dim, _shape(m.lhs_shape), _shape(m.rhs_shape),
+      kind = m.kind + (" [explicit]" if m.origin == "explicit" else "")
+      rows.append((str(i), kind, m.status, axis, dim, _shape(m.lhs_shape), _shape(m.rhs_shape),
                    _shape(m.out_shape), m.dtype or "-", note or "", m.source))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
