@@ -1,6 +1,7 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -278,6 +279,10 @@ def _gpu_name():
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["calibrate"]:  # the cost model's calibration
+    from jax_autooverlap.bench import calibrate
+    return calibrate.main(argv[1:])
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))

@@ -44,7 +44,7 @@ DEFAULT_TILE = "128x256x64"
 # Fitted parameters: (name, initial value, lower bound, upper bound).
 _FUSED = (("kappa", 1.05, 0.7, 1.6), ("fixed_us", 2.0, 0.0, 30.0),
           ("mover_gbps_per_cta", 30.0, 1.0, 500.0), ("rs_exchange_us_per_kib", 0.3, 0.0, 5.0),
-          ("call_us", 10.0, 0.0, 200.0), ("fused_floor_ms", 0.1, 0.0, 1.0))
+          ("call_us", 10.0, 0.0, 200.0), ("fused_floor_ms", 0.1, 0.0, 10.0))
 _TILE_PARAMS = ("kappa", "fixed_us")
 
 
@@ -162,10 +162,37 @@ def fit_group(shapes, gemm: cost_model.GemmModel, num_sms: int, device_kind: str
   x0 = [p[1] for p in free]
   if "fused_floor_ms" in [p[0] for p in free]:
     x0[[p[0] for p in free].index("fused_floor_ms")] = min(r["median_ms"] for _, r in ours) * 0.9
-  sol = least_squares(residuals, x0, bounds=([p[2] for p in free], [p[3] for p in free]),
+  lower, upper = [p[2] for p in free], [p[3] for p in free]
+  sol = least_squares(residuals, np.clip(x0, lower, upper), bounds=(lower, upper),
                       loss="soft_l1", f_scale=0.1)
   fitted = build(sol.x)
   return fitted.group, fitted.tiles
+
+
+def fit_tiles(timings, gemm: cost_model.GemmModel, num_sms: int, dtype: str) -> dict:
+  """{tile: TileCost} from the AG kernel timed alone on one GPU (world 1, no peers).
+
+  timings: [(KernelConfig, M, N, K, ms)].  Per tile shape, kappa and fixed_us
+  (and the one-GPU call cost, not kept) by least squares on log(pred / measured).
+  """
+  from scipy.optimize import least_squares
+  none = cost_model.Curve(((1.0, 0.0),))
+  out = {}
+  for tile in sorted({cost_model.tile_name(t[0]) for t in timings}):
+    mine = [t for t in timings if cost_model.tile_name(t[0]) == tile]
+
+    def model(x, tile=tile):
+      group = cost_model.GroupParams(none, none, 1.0, 1.0, 0.0, x[2], 0.0, 0.0, 0.0)
+      return cost_model.CostModel("", 1, dtype, num_sms, gemm,
+                                  {tile: cost_model.TileCost(x[0], x[1])}, group)
+
+    def residuals(x, mine=mine, model=model):
+      m = model(x)
+      return [math.log(m.fused_ms("ag", mm, k, n, cfg) / ms) for cfg, mm, n, k, ms in mine]
+
+    sol = least_squares(residuals, [1.05, 2.0, 5.0], bounds=([0.7, 0.0, 0.0], [1.6, 30.0, 100.0]))
+    out[tile] = cost_model.TileCost(float(sol.x[0]), float(sol.x[1]))
+  return out
 
 
 def fit(records, gemm_params: dict | None = None, num_sms: int = 132,
