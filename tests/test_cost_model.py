@@ -2,6 +2,7 @@
 the planner's order, its choices on a Llama-3-70B TP=2 layer, first-call autotuning and
 `bench calibrate --smoke` (no GPU needed)."""
 
+import itertools
 import json
 import pathlib
 import re
@@ -332,5 +333,23 @@ def test_calibrate_smoke_writes_params_the_planner_loads(monkeypatch, tmp_path, 
     m = cost_model.load("cpu", 2, BF16)  # from the user cache
     assert m is not None and "calibrated on cpu" in m.gemm_source
     assert m.unfused_ms("ag", 64, 128, 64) > 0 and m.fused_ms("ag", 64, 128, 64, KernelConfig()) > 0
+    # the GEMM check (a GPU script) runs on these params too
+    from jax_autooverlap.bench import gemm_check
+    assert gemm_check.main(["--smoke", "--params", str(path), "--out", str(tmp_path / "out")]) == 0
+    (check,) = (tmp_path / "out").glob("gemm-check-cpu-*.json")
+    rows = json.loads(check.read_text())["cublas"]
+    assert [r["in_fit"] for r in rows] == [True, False, False]  # 64x128x64 is a grid point
   finally:
     cost_model.clear_cache()
+
+
+def test_gemm_check_shapes_are_not_calibration_points():
+  from jax_autooverlap.bench import calibrate, gemm_check
+  grid = set(itertools.product(*calibrate.GEMM_GRID))
+  order = calibrate.coarse_first(calibrate.GEMM_GRID)  # a GEMM sweep cut short still spans it
+  assert set(order) == grid and len(order) == len(grid)
+  assert {s[0] for s in order[:27]} == {1024, 4096, 16384} == {s[2] for s in order[:27]}
+  fresh = [s for s in gemm_check.shapes() if tuple(s[1:]) not in grid]
+  assert len(fresh) >= 10, fresh
+  assert {s[0].split()[0] for s in fresh} == {"llama3-8b", "llama3-70b", "mixtral-8x22b-mlp",
+                                              "qwen2-72b"}

@@ -67,11 +67,20 @@ def dispatch_floor_ms(device) -> float:
   return time_call(jax.jit(lambda x: x + 1), [(x,)], iters=50)
 
 
-def gemm_sweep(device, grid, dtype, max_flop=MAX_GEMM_FLOP):
-  """[(M, N, K, ms)] of jnp.dot on one device (cuBLAS on GPUs), two fresh random input sets."""
+def coarse_first(grid):
+  """The grid's shapes, every other step of every dim first, then the ones in between: cut
+  short anywhere, the shapes timed still cover the whole grid."""
+  shapes = itertools.product(*(enumerate(axis) for axis in grid))
+  return [tuple(v for _, v in s) for s in sorted(shapes, key=lambda s: sum(i % 2 for i, _ in s))]
+
+
+def gemm_sweep(device, grid, dtype, max_flop=MAX_GEMM_FLOP, time_limit_s=None):
+  """[(M, N, K, ms)] of jnp.dot on one device (cuBLAS on GPUs), two fresh random input sets;
+  shapes left when the time limit is reached are not timed (coarse_first says which)."""
   import jax
   from jax_autooverlap.tuning.autotune import time_call
-  shapes = [s for s in itertools.product(*grid) if 2.0 * s[0] * s[1] * s[2] <= max_flop]
+  shapes = [s for s in coarse_first(grid) if 2.0 * s[0] * s[1] * s[2] <= max_flop]
+  start = time.monotonic()
   operands = {}  # (rows, cols) -> two random arrays, shared by the GEMMs that read them
 
   def operand(shape):
@@ -82,6 +91,9 @@ def gemm_sweep(device, grid, dtype, max_flop=MAX_GEMM_FLOP):
   dot = jax.jit(lambda a, b: a @ b)
   out = []
   for i, (m, n, k) in enumerate(shapes):
+    if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+      _log(f"gemm: time limit {time_limit_s:.0f} s reached, {len(shapes) - i} grid shapes left")
+      break
     a, b = operand((m, k)), operand((k, n))
     ms = time_call(dot, list(zip(a, b)))
     out.append((m, n, k, ms))
@@ -202,6 +214,8 @@ def main(argv=None):
   ap.add_argument("--no-kernel", action="store_true", help="skip the kernel timing on one GPU")
   ap.add_argument("--single-gpu", action="store_true", help="only the single-GPU part")
   ap.add_argument("--devices", type=int, help="group size of the multi-GPU part (default: all)")
+  ap.add_argument("--gemm-time-limit-s", type=float, default=150.0,
+                  help="stop the GEMM grid after this long (it is timed coarse steps first)")
   ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU devices allowed (tests)")
   args = ap.parse_args(argv)
 
@@ -230,20 +244,22 @@ def main(argv=None):
 
   floor = dispatch_floor_ms(devices[0])
   _log(f"host dispatch floor {floor:.4f} ms per call")
-  gemm_raw = gemm_sweep(devices[0], grid, dtype)
+  gemm_raw = gemm_sweep(devices[0], grid, dtype, time_limit_s=args.gemm_time_limit_s)
   # GEMMs shorter than twice the dispatch floor measured the host, not the GPU (kept in
   # the measurements, left out of the model); the smoke run keeps all (all are host-bound).
   usable = [g for g in gemm_raw if args.smoke or g[3] >= 2 * floor]
   points = tuple((m, n, k, round(2.0 * m * n * k / (ms * 1e9), 3)) for m, n, k, ms in usable)
   gemm = cost_model.GemmModel(points, GEMM_BANDWIDTH_LOG2)
   kernel_raw = [] if (args.no_kernel or not gpus) else kernel_sweep(gpus[0], dtype)
-  tiles = fitting.fit_tiles(kernel_raw, gemm, num_sms, dtype.name) if kernel_raw else {}
+  tiles, one_gpu_call = (fitting.fit_tiles(kernel_raw, gemm, num_sms, dtype.name) if kernel_raw
+                         else ({}, {}))
   source = f"calibrated on {kind} {date}" + (" (smoke)" if args.smoke else "")
   params = {"format": cost_model.FORMAT, "device_kind": kind, "num_sms": num_sms,
             "gemm": {dtype.name: {"source": source, "bandwidth_log2": GEMM_BANDWIDTH_LOG2,
                                   "points": [list(p) for p in points],
                                   **({"tiles": {t: {"kappa": round(c.kappa, 6),
                                                     "fixed_us": round(c.fixed_us, 6),
+                                                    "one_gpu_call_us": round(one_gpu_call[t], 3),
                                                     "source": source + " (kernel, one GPU)"}
                                                 for t, c in tiles.items()}} if tiles else {})}},
             "groups": {}}

@@ -90,11 +90,11 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
 def _autotuned(op, verdict: select.Verdict, config: OverlapConfig, mesh, axis_name, sizes, dtype,
                out_dtype) -> select.Verdict:
   """The cost model's choice, timed against its runners-up and the unfused program if asked."""
-  if verdict.source != "model" or not autotune.enabled(config):
+  if verdict.source != "model" or not verdict.candidates or not autotune.enabled(config):
     return verdict
   if axis_name is None:  # ao.explain: says what the first call will do, times nothing
     return dataclasses.replace(verdict, reason=f"{verdict.reason}; autotuned on the first call")
-  why_not = autotune.why_not(verdict)
+  why_not = autotune.why_not()
   if why_not:
     return dataclasses.replace(verdict, reason=f"{verdict.reason}; {why_not}")
   time_program = functools.partial(_time_program, op, mesh, axis_name, sizes, dtype, out_dtype)

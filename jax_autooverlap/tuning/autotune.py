@@ -61,10 +61,8 @@ def _process_count() -> int:
   return jax.process_count()
 
 
-def why_not(verdict: select.Verdict) -> str | None:
-  """Why this verdict cannot be autotuned here, or None."""
-  if verdict.source != "model" or not verdict.candidates or verdict.key is None:
-    return "only the cost model's choices are autotuned"
+def why_not() -> str | None:
+  """Why autotuning cannot run in this process, or None."""
   if _process_count() > 1 and _rank0_broadcast is None:
     return ("several processes and no rendezvous to agree on rank 0's timing: autotuning "
             "skipped, the model's choice stands")

@@ -179,30 +179,33 @@ def fit_group(shapes, gemm: cost_model.GemmModel, num_sms: int, device_kind: str
   return fitted.group, fitted.tiles
 
 
-def fit_tiles(timings, gemm: cost_model.GemmModel, num_sms: int, dtype: str) -> dict:
-  """{tile: TileCost} from the AG kernel timed alone on one GPU (world 1, no peers).
+def one_gpu_model(gemm: cost_model.GemmModel, tiles: dict, num_sms: int, dtype: str,
+                  call_us: float) -> cost_model.CostModel:
+  """The model of the AG kernel on a group of one GPU: its tile loop alone (no peers)."""
+  none = cost_model.Curve(((1.0, 0.0),))
+  group = cost_model.GroupParams(none, none, 1.0, 1.0, 0.0, call_us, 0.0, 0.0, 0.0)
+  return cost_model.CostModel("", 1, dtype, num_sms, gemm, tiles, group)
 
-  timings: [(KernelConfig, M, N, K, ms)].  Per tile shape, kappa and fixed_us
-  (and the one-GPU call cost, not kept) by least squares on log(pred / measured).
+
+def fit_tiles(timings, gemm: cost_model.GemmModel, num_sms: int, dtype: str):
+  """({tile: TileCost}, {tile: one-GPU call us}) from the AG kernel timed on one GPU alone.
+
+  timings: [(KernelConfig, M, N, K, ms)].  Per tile shape, kappa, fixed_us and
+  the call cost of a one-GPU launch, by least squares on log(pred / measured).
   """
   from scipy.optimize import least_squares
-  none = cost_model.Curve(((1.0, 0.0),))
-  out = {}
+  tiles, calls = {}, {}
   for tile in sorted({cost_model.tile_name(t[0]) for t in timings}):
     mine = [t for t in timings if cost_model.tile_name(t[0]) == tile]
 
-    def model(x, tile=tile):
-      group = cost_model.GroupParams(none, none, 1.0, 1.0, 0.0, x[2], 0.0, 0.0, 0.0)
-      return cost_model.CostModel("", 1, dtype, num_sms, gemm,
-                                  {tile: cost_model.TileCost(x[0], x[1])}, group)
-
-    def residuals(x, mine=mine, model=model):
-      m = model(x)
+    def residuals(x, mine=mine, tile=tile):
+      m = one_gpu_model(gemm, {tile: cost_model.TileCost(x[0], x[1])}, num_sms, dtype, x[2])
       return [math.log(m.fused_ms("ag", mm, k, n, cfg) / ms) for cfg, mm, n, k, ms in mine]
 
     sol = least_squares(residuals, [1.05, 2.0, 5.0], bounds=([0.7, 0.0, 0.0], [1.6, 30.0, 100.0]))
-    out[tile] = cost_model.TileCost(float(sol.x[0]), float(sol.x[1]))
-  return out
+    tiles[tile] = cost_model.TileCost(float(sol.x[0]), float(sol.x[1]))
+    calls[tile] = float(sol.x[2])
+  return tiles, calls
 
 
 def fit(records, gemm_params: dict | None = None, num_sms: int = 132,
