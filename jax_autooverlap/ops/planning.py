@@ -2,9 +2,10 @@
 
 `plan` decides per canonical call (ag_rows / ag_k / rs_rows with sizes
 (batch, rows, contraction, columns) per device) between the reference ring,
-the unfused program and the GPU kernels, consulting the tuner; `describe`
-answers the same question for a match of the rewrite; `dual_params` plans the
-dual op of a backward pass.
+the unfused program and the GPU kernels, consulting the tuner (and, where
+asked, autotuning the cost model's choice on programs it builds here);
+`describe` answers the same question for a match of the rewrite;
+`dual_params` plans the dual op of a backward pass.
 """
 from __future__ import annotations
 
