@@ -152,8 +152,6 @@ def fake_gpu_kind(monkeypatch):
   params = {**json.loads(SHIPPED.read_text()), "device_kind": "cpu"}
   monkeypatch.setattr(cost_model, "_all_params", lambda: {"cpu": params})
   monkeypatch.setattr(context, "platform", lambda mesh: None if mesh is None else "gpu")
-  # kernels may run in any program (as if custom calls were kept out of CUDA graphs)
-  monkeypatch.setattr(context, "graph_safe", lambda: True, raising=False)
   cost_model.load.cache_clear()
   yield
   cost_model.load.cache_clear()

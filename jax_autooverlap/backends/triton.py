@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_autooverlap._compat import import_jax_triton, varying_axes
+from jax_autooverlap._compat import import_jax_triton, scratch_out_type, varying_axes
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.runtime.workspace import REGISTRY
@@ -83,10 +83,11 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
   num_ctas = min(num_sms, num_comm + world * tm * tn)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
-  out, gathered = jt.triton_call(
+  out, gathered, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
       zeroed_outputs=(0, 1) if poison else (),
-      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type),
+      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
@@ -147,10 +148,10 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   tn = math.ceil(n / kernel.block_n)
   tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   num_ctas = min(num_sms, world * tm * tn)
-  return jt.triton_call(
+  out, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
-      out_type=jax.ShapeDtypeStruct((m_out, n), out_dtype),
+      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
@@ -159,6 +160,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       MAX_CHUNKS=workspace.MAX_CHUNKS,
       FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
       TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+  return out
 
 
 def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s: float,

@@ -2,6 +2,7 @@
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
     python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
+    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -283,7 +284,13 @@ def main(argv=None):
   if argv[:1] == ["calibrate"]:  # the cost model's calibration
     from jax_autooverlap.bench import calibrate
     return calibrate.main(argv[1:])
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench")
+  if argv[:1] == ["model"]:
+    from jax_autooverlap.bench import model
+    return model.main(argv[1:])
+  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
+                               epilog="python -m jax_autooverlap.bench model --help: the "
+                                      "end-to-end training-step benchmark; ... calibrate --help: "
+                                      "the cost model's calibration")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
   ap.add_argument("--dtype", default="bfloat16")

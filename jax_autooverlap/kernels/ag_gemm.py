@@ -21,6 +21,8 @@ deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
 import triton
 import triton.language as tl
 
+from jax_autooverlap._compat import lean_launch
+
 from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
 
 
@@ -36,10 +38,11 @@ def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
     tl.store(dst + offs, tl.load(src + offs, mask=rmask), mask=rmask)
 
 
+@lean_launch
 @triton.jit
 def ag_gemm_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
-    out_ptr, gathered_ptr,              # outputs
+    out_ptr, gathered_ptr, scratch_ptr,  # outputs (scratch: see _compat.lean_launch)
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,

@@ -24,6 +24,8 @@ signals.
 import triton
 import triton.language as tl
 
+from jax_autooverlap._compat import lean_launch
+
 from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
 
 
@@ -45,10 +47,11 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
   return t // PER_OWNER, first_m + (l % GROUP) % group_rows, (l % GROUP) // group_rows
 
 
+@lean_launch
 @triton.jit
 def gemm_rs_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
-    out_ptr,                            # output: [M / WORLD, N]
+    out_ptr, scratch_ptr,               # outputs: [M / WORLD, N]; scratch (_compat.lean_launch)
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_CTAS: tl.constexpr, FLAGS_OFF: tl.constexpr,

@@ -40,7 +40,7 @@ class DotDims:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None, graph_safe=None, *, axis_name=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, *, axis_name=None) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
@@ -68,12 +68,10 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     why = "no GPU kernel for contracting-dim gathers yet"
   elif dtype is None:
     why = "operands of different dtypes"
-  elif axis_size == 1:
+  elif axis_size == 1 and config.impl != "triton":  # asked for explicitly: runs (tests)
     why = "axis of size 1: a plain matmul"
   elif batch != 1:
     why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
-  elif not (context.graph_safe() if graph_safe is None else graph_safe):
-    why = context.GRAPH_CAPTURE
   else:
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
@@ -133,20 +131,20 @@ def _time_program(op, mesh, axis_name, sizes, dtype, out_dtype, kernel: KernelCo
   return autotune.time_call(fn, arg_sets)
 
 
-def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, graph_safe,
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh,
                 return_gathered=False):
   """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config).
 
-  The backward pass is traced later, outside the forward's context: whether the
-  program keeps custom calls out of CUDA graphs comes from the forward.
+  The backward pass is traced later, outside the forward's context: the mesh
+  comes from the forward.
   """
   ring = dataclasses.replace(ring, out_dtype=np.dtype(out_dtype))
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
     config = dataclasses.replace(config, impl="auto", kernel=None)
-  return core_params(op, ring, a3, b3, config, mesh, graph_safe, return_gathered)
+  return core_params(op, ring, a3, b3, config, mesh, return_gathered)
 
 
-def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh, graph_safe,
+def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
                 return_gathered=False) -> "fused.CoreParams":
   """Params of a canonical call on a3 [B, M, K], b3 [B, K, N], with the impl `plan` picks."""
   n = ring.axis_size
@@ -154,10 +152,10 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh, graph
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh, graph_safe,
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
                       axis_name=ring.axis_name)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh, graph_safe=graph_safe)
+                          config=config, mesh=mesh)
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
