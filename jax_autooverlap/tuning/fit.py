@@ -89,11 +89,14 @@ class Shape:
 
 
 def load_records(paths) -> list[dict]:
-  """Benchmark records from JSON files or directories of them (other JSON is skipped)."""
+  """Benchmark records from JSON files or directories of them: the benchmark's record lists
+  and the records inside calibration files (other JSON is skipped)."""
   out = []
   for p in map(pathlib.Path, paths):
     for f in (sorted(p.glob("*.json")) if p.is_dir() else [p]):
       data = json.loads(f.read_text())
+      if isinstance(data, dict):
+        data = data.get("measurements", {}).get("records", [])
       if isinstance(data, list):
         out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)]
   return out
