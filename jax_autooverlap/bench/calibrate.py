@@ -200,9 +200,11 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
              f"{str(e)[:300]}")
         continue
       rec("ours", ms, kernel={f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+    config = lambda r: (f" c{r['kernel']['chunks']} m{r['kernel']['num_comm']}"
+                        if "kernel" in r else "")
     _log(f"{op} {m}x{k}x{n}: " + ", ".join(
-        f"{r['impl']}{'' if 'kernel' not in r else ' c%d m%d' % (r['kernel']['chunks'], r['kernel']['num_comm'])}"
-        f" {r['median_ms']:.3f}" for r in records if (r["op"], r["m"], r["k"], r["n"]) == (op, m, k, n)))
+        f"{r['impl']}{config(r)} {r['median_ms']:.3f}" for r in records
+        if (r["op"], r["m"], r["k"], r["n"]) == (op, m, k, n)))
   return records
 
 
@@ -299,9 +301,11 @@ def main(argv=None):
     for cfg, m, n, k, ms in kernel_raw:
       print(f"  {cost_model.tile_name(cfg)} {m}x{n}x{k}: {ms:.4f}")
     for t, c in tiles.items():
-      print(f"  {t}: kappa {c.kappa:.3f} (time per flop / cuBLAS's), fixed {c.fixed_us:.2f} us/tile")
+      print(f"  {t}: kappa {c.kappa:.3f} (time per flop / cuBLAS's), "
+            f"fixed {c.fixed_us:.2f} us/tile")
   elif gpus and not args.no_kernel:
-    print("kernel GEMM on one GPU: unavailable (see the log); tile costs from the group fit, if any")
+    print("kernel GEMM on one GPU: unavailable (see the log); tile costs from the group fit, "
+          "if any")
   for key, g in params["groups"].items():
     print(f"group {key}: " + ", ".join(f"{f}={v}" for f, v in g.items()
                                         if not f.endswith("collective")))

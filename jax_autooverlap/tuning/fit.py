@@ -242,8 +242,10 @@ def fit(records, gemm_params: dict | None = None, num_sms: int = 132,
     params["gemm"][dtype] = {
         "source": gemm_source, "bandwidth_log2": gemm.bandwidth_log2,
         "points": [[*p[:3], round(p[3], 2)] for p in gemm.points],
-        "tiles": {t: {**{f: round(v, 6) for f, v in dataclasses.asdict(c).items()}, "source": "calibrated on one GPU" if tiles
-                      else f"fit on {len(sub)} shapes of {when}"} for t, c in fitted_tiles.items()}}
+        "tiles": {t: {"kappa": round(c.kappa, 6), "fixed_us": round(c.fixed_us, 6),
+                      "source": ("calibrated on one GPU" if tiles
+                                 else f"fit on {len(sub)} shapes of {when}")}
+                  for t, c in fitted_tiles.items()}}
     params["groups"][cost_model.group_key(world, dtype)] = {
         "source": f"fit on {len(sub)} shapes of {when}",
         **{f.name: ([[x, round(y, 5)] for x, y in getattr(group, f.name).points]
@@ -322,8 +324,9 @@ def summary(checks: list[Check]) -> dict:
 
 def table(checks: list[Check]) -> str:
   """Markdown table of a leave-one-shape-out check."""
-  head = ("| shape M×K×N | unfused meas | unfused pred | ours meas (config) | ours pred | error | "
-          "model's best config (pred) | verdict meas / pred |\n|---|---|---|---|---|---|---|---|")
+  head = ("| shape M×K×N | unfused meas | unfused pred | ours meas (config) | ours pred | "
+          "error | model's best config (pred) | verdict meas / pred |\n"
+          "|---|---|---|---|---|---|---|---|")
   rows = []
   for c in checks:
     cfg = lambda k: f"c{k.chunks}" + (f" m{k.num_comm}" if c.shape.op == "ag" else "")

@@ -146,7 +146,8 @@ class CostModel:
 
   # --- the unfused program ---------------------------------------------------
 
-  def unfused_ms(self, op: str, rows: int, k: int, cols: int, out_itemsize: int | None = None) -> float:
+  def unfused_ms(self, op: str, rows: int, k: int, cols: int,
+                 out_itemsize: int | None = None) -> float:
     w, item = self.world, np.dtype(self.dtype).itemsize
     out_item = out_itemsize or item
     if op == "ag":
@@ -305,15 +306,16 @@ def clear_cache():
 def from_params(params: dict, world: int, dtype) -> CostModel | None:
   """The model of (world, dtype) from one device kind's params, or None where a part is missing."""
   name = np.dtype(dtype).name
-  gemm, group = params.get("gemm", {}).get(name), params.get("groups", {}).get(group_key(world, name))
+  gemm = params.get("gemm", {}).get(name)
+  group = params.get("groups", {}).get(group_key(world, name))
   if gemm is None or group is None or not gemm.get("tiles"):
     return None
   return CostModel(
       device_kind=params["device_kind"], world=world, dtype=name, num_sms=int(params["num_sms"]),
       gemm=GemmModel(tuple(tuple(p) for p in gemm["points"]), gemm.get("bandwidth_log2", 0.6)),
       tiles={t: TileCost(v["kappa"], v["fixed_us"]) for t, v in gemm["tiles"].items()},
-      group=GroupParams(**{f.name: (Curve.from_points(group[f.name]) if f.name.endswith("collective")
-                                    else float(group[f.name]))
+      group=GroupParams(**{f.name: (Curve.from_points(group[f.name])
+                                    if f.name.endswith("collective") else float(group[f.name]))
                            for f in dataclasses.fields(GroupParams)}),
       source=f"params {group.get('source', '?')}", gemm_source=gemm.get("source", "?"))
 

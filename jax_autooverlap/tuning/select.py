@@ -143,7 +143,8 @@ def measured_verdict(hit: dict, key: str) -> Verdict:
     return Verdict(KernelConfig(**hit["kernel"]),
                    f"{source}: fused kernel faster" + (f" ({times})" if times else ""), source, key)
   detail = "; ".join(x for x in (hit.get("note", ""), times.replace(" vs ", " fused vs ")) if x)
-  return Verdict(None, f"{source}: unfused faster" + (f" ({detail})" if detail else ""), source, key)
+  return Verdict(None, f"{source}: unfused faster" + (f" ({detail})" if detail else ""), source,
+                 key)
 
 
 def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtype,
