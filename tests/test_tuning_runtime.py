@@ -34,7 +34,7 @@ def test_measured_cache_drives_the_choice():
 
 def test_small_shapes_fall_back_and_unsupported_shapes_say_why():
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
-  assert v.kernel is None and "too small" in v.reason
+  assert v.kernel is None and "model: unfused" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 1000, 4096, jnp.bfloat16, jnp.bfloat16)
   assert v.kernel is None and "K=1000" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 4096, jnp.int8, jnp.int32)
@@ -106,7 +106,7 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
   impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "triton" and "heuristic" in why                               # between measured
+  assert impl == "triton" and "model: fused" in why                            # between measured
   impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and "contracting" in why
   impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh)

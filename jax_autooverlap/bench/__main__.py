@@ -1,6 +1,7 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
     python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
     python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback.py)
 
@@ -281,6 +282,9 @@ def _gpu_name():
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["calibrate"]:  # the cost model's calibration
+    from jax_autooverlap.bench import calibrate
+    return calibrate.main(argv[1:])
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])
@@ -289,7 +293,8 @@ def main(argv=None):
     return loopback.main(argv)
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
                                epilog="python -m jax_autooverlap.bench model --help: the "
-                                      "end-to-end training-step benchmark")
+                                      "end-to-end training-step benchmark; ... calibrate --help: "
+                                      "the cost model's calibration")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
   ap.add_argument("--dtype", default="bfloat16")

@@ -1,7 +1,8 @@
 """Frozen, self-validating configuration of the fused ops.
 
 Choice order (tuning/select.py): explicit config -> tuning cache (measured
-verdicts: shipped JSON and the user's benchmark runs) -> heuristic.  The cache says, per device kind,
+verdicts: shipped JSON, the user's benchmark runs and first-call autotuning)
+-> cost model (tuning/model.py) -> unfused.  The cache says, per device kind,
 world size, shape and dtype, whether the fused GPU kernel beat the unfused
 program and with which kernel config.
 """
@@ -81,11 +82,16 @@ class OverlapConfig:
   chunks: pieces each shard is split into by the reference ring (>= 1).
   kernel: explicit GPU kernel config (else the tuner's).
   timeout_s: bound on every cross-GPU wait of the kernels.
+  autotune: on the first call with a shape that has no measured verdict, time
+    the cost model's best kernel configs and the unfused program on the GPUs
+    and keep the fastest in the user's tuning cache (tuning/autotune.py; also
+    on with the environment variable JAX_AUTOOVERLAP_AUTOTUNE=1).
   """
   impl: Impl = "auto"
   chunks: int | None = None
   kernel: KernelConfig | None = None
   timeout_s: float = 10.0
+  autotune: bool = False
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -95,6 +101,8 @@ class OverlapConfig:
       raise TypeError(f"OverlapConfig: kernel must be a KernelConfig, got {type(self.kernel).__name__}")
     if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600):
       raise ValueError(f"OverlapConfig: timeout_s={self.timeout_s!r} must be in (0, 3600]")
+    if not isinstance(self.autotune, bool):
+      raise TypeError(f"OverlapConfig: autotune={self.autotune!r} must be a bool")
 
 
 def resolve_chunks(config: OverlapConfig, rows: int) -> int:
