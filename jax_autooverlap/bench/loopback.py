@@ -169,7 +169,6 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   cc = dict(compute_capability=compute_capability)
   import jax
   from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs
-  from jax_autooverlap.runtime.context import compiler_options_keeping_custom_calls_out_of_graphs
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):
@@ -179,7 +178,7 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
                             return_gathered=False, timeout_s=timeout_s, num_sms=num_sms, **cc)
     return launch_gemm_rs(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
                           timeout_s=timeout_s, num_sms=num_sms, **cc)
-  return jax.jit(run, compiler_options=compiler_options_keeping_custom_calls_out_of_graphs())
+  return jax.jit(run)
 
 
 def gemm_program():

@@ -90,7 +90,8 @@ class Shape:
 
 def load_records(paths) -> list[dict]:
   """Benchmark records from JSON files or directories of them: the benchmark's record lists
-  and the records inside calibration files (other JSON is skipped)."""
+  and the records inside calibration files (other JSON is skipped, and so are loopback
+  records: one GPU standing in for a group, not a group's timing)."""
   out = []
   for p in map(pathlib.Path, paths):
     for f in (sorted(p.glob("*.json")) if p.is_dir() else [p]):
@@ -98,7 +99,8 @@ def load_records(paths) -> list[dict]:
       if isinstance(data, dict):
         data = data.get("measurements", {}).get("records", [])
       if isinstance(data, list):
-        out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)]
+        out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)
+                and r.get("mode") != "loopback"]
   return out
 
 
