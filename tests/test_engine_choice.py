@@ -86,8 +86,9 @@ def test_launchers_hand_gluon_configs_to_the_gluon_backend(monkeypatch, op):
   assert seen == [(args, {**kw, "poison": False})]
 
 
-def test_bench_sweeps_both_engines(monkeypatch):
-  """The two-GPU benchmark's sweep (its verdicts feed the tuner) holds every engine."""
+def test_bench_sweeps_the_engines_asked_for(monkeypatch):
+  """The two-GPU benchmark's sweep (its verdicts feed the tuner): tl by default (gluon is
+  experimental), every engine asked for with --engines."""
   import jax_autooverlap.bench.__main__ as bench
   swept = {}
 
@@ -100,5 +101,8 @@ def test_bench_sweeps_both_engines(monkeypatch):
   monkeypatch.setattr(bench, "_versions", lambda: {})
   with pytest.raises(SystemExit):
     bench.main(["ag", "--no-rivals", "--shapes", "4096x8192x8192"])
+  assert {c.engine for c in swept["ag"]} == {"tl"}
+  with pytest.raises(SystemExit):
+    bench.main(["ag", "--no-rivals", "--shapes", "4096x8192x8192", "--engines", "tl,gluon"])
   engines = [c.engine for c in swept["ag"]]
   assert set(engines) == {"tl", "gluon"} and engines.count("gluon") == engines.count("tl")
