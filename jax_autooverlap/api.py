@@ -64,6 +64,17 @@ def _rewrite_and_run(fun, config, sink, args, kwargs):
   return jax.tree.unflatten(out_tree[0], outs)
 
 
+def _check_config(config) -> OverlapConfig:
+  if config is None:
+    return OverlapConfig()
+  if isinstance(config, OverlapConfig):
+    return config
+  hint = (f"ao.OverlapConfig(**{config!r})" if isinstance(config, dict)
+          else "ao.OverlapConfig(impl=..., chunks=...)")
+  raise TypeError(f"ao.jit: overlap_config must be an ao.OverlapConfig, got "
+                  f"{type(config).__name__}; pass {hint}")
+
+
 class AutoOverlapJit:
   """What `ao.jit` returns: callable like the `jax.jit` object it wraps."""
 
@@ -71,7 +82,7 @@ class AutoOverlapJit:
     if not callable(fun):
       raise TypeError(f"ao.jit expects a callable, got {type(fun).__name__}")
     self._fun = fun
-    self._config = overlap_config or OverlapConfig()
+    self._config = _check_config(overlap_config)
     user_options = dict(jit_kwargs.pop("compiler_options", None) or {})
     command_buffer = user_options.get("xla_gpu_enable_command_buffer")  # the user's, if set
     self._graph_safe = command_buffer is None or "CUSTOM_CALL" not in str(command_buffer).upper()
@@ -121,6 +132,7 @@ def jit(fun: Callable | None = None, /, *, overlap_config: OverlapConfig | None 
   ...) is forwarded.  `overlap_config` sets how the fused ops run.
   """
   if fun is None:
+    _check_config(overlap_config)
     return functools.partial(jit, overlap_config=overlap_config, **jit_kwargs)
   return AutoOverlapJit(fun, overlap_config, **jit_kwargs)
 
