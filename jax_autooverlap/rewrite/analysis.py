@@ -4,9 +4,9 @@ Walks a closed jaxpr, recursing into every sub-jaxpr found in equation params
 (jit, shard_map, scan, while, cond, remat, custom_jvp/vjp, and any other
 higher-order primitive).  Inside shard_map bodies it matches
   all_gather -> [layout ops] -> dot_general          (kind "ag_matmul")
-  dot_general -> [layout ops, add_any] -> reduce_scatter   (kind "matmul_rs")
+  dot_general(s) -> [layout ops, add/add_any] -> reduce_scatter   (kind "matmul_rs")
 Every all_gather / psum_scatter adjacent to a dot_general (directly or through
-layout ops, casts and add_any) becomes a `Match`, rewritten or skipped with a
+layout ops, casts and sums) becomes a `Match`, rewritten or skipped with a
 reason.  The plan says, per (jaxpr, equation index), what the interpreter does
 instead of binding the equation (skip it, emit a fused op, rebuild a
 sub-jaxpr) and which fused ops it emits before an equation.
@@ -33,6 +33,9 @@ from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
 
 FUSABLE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Sums the rewrite looks through between matmuls and a psum_scatter: add_any (what
+# autodiff writes) and add (what users write; jaxpr operands of add have one shape).
+ADDS = frozenset({"add_any", "add"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +132,23 @@ class _Ctx:
   config: OverlapConfig
   phase: str = "fwd"
 
-  def defined_before(self, v, i: int) -> bool:
-    """Is v (an operand) available before equation i?"""
-    return not _jax.is_var(v) or v not in self.producer or self.producer[v] < i
+  def available_at(self, v, i: int, unavailable=frozenset(), depth: int = 8) -> bool:
+    """Can operand v be had before equation i?
+
+    Yes if it is defined there, or computed from such values by first-order,
+    effect-free equations (e.g. the pvary JAX puts right before a matmul): the
+    interpreter then computes them early.  Never from a value in `unavailable`.
+    """
+    if not _jax.is_var(v):
+      return True
+    if v in unavailable:
+      return False
+    if v not in self.producer or self.producer[v] < i:
+      return True
+    eqn = self.jaxpr.eqns[self.producer[v]]
+    if depth == 0 or eqn.effects or _jax.sub_jaxprs(eqn.params):
+      return False
+    return all(self.available_at(x, i, unavailable, depth - 1) for x in eqn.invars)
 
 
 @dataclasses.dataclass
@@ -266,18 +283,24 @@ class _Analyzer:
     base = dict(kind="ag_matmul", axis_name=axes[0] if len(axes) == 1 else axes, axis_size=n,
                 collective_dim=d, source=_jax.source_line(geqn), path=ctx.path,
                 phase=_jax.phase(geqn, ctx.phase))
+    untiled = None
+    if not tiled and not chain:
+      untiled = ("untiled all_gather with its new axis last: the gathered blocks interleave, no "
+                 "tiled gather is equivalent" if tiled_shape is None else
+                 "untiled all_gather (adds a new axis) not followed by a reshape merging it into "
+                 f"dim {d}")
     if not dots:
       reached = self._dot_reached(ctx, geqn.outvars[0])
       if reached is None:
         return None  # not next to a matmul: not a candidate
       di, through = reached
-      reason = ("an add (add_any) sits between the gather and the matmul" if "add_any" in through
-                else "the gathered value is used elsewhere on its way to the matmul (only "
-                     f"single-use layout ops may sit between; here: {', '.join(through)})")
+      reason = untiled or (
+          f"an add ({next(t for t in through if t in ADDS)}) sits between the gather and the "
+          "matmul" if set(through) & ADDS else
+          "the gathered value is used elsewhere on its way to the matmul (only single-use "
+          f"layout ops may sit between; here: {', '.join(through)})")
       return self._skipped(base, ctx.jaxpr.eqns[di], reason, n_dots=1)
-    reason = (
-        "untiled all_gather (adds a new axis) not followed by a reshape merging it into "
-        f"dim {d}" if not tiled and not chain else
+    reason = untiled or (
         f"multi-axis collective over {axes}" if len(axes) != 1 else
         "axis_index_groups are not supported" if p.get("axis_index_groups") is not None else
         broken)
@@ -296,8 +319,8 @@ class _Analyzer:
         kind = "batch" if dim in batch else "contracting" if dim in contract else "free"
       r = ("gathered dim is a batch dim of the matmul" if kind == "batch" else
            _dtype_reason(deqn, gathered=operand) or
-           ("the matmul's other operand is computed after the gathered value's first use"
-            if not ctx.defined_before(deqn.invars[1 - operand], first_use) else None))
+           ("the matmul's other operand is computed from the gathered value's first use"
+            if not ctx.available_at(deqn.invars[1 - operand], first_use, {v}) else None))
       if r:
         dot_reasons[di] = r
       else:
@@ -340,7 +363,7 @@ class _Analyzer:
           name = eqn.primitive.name
           if name == "dot_general":
             return i, through
-          if name in LAYOUT_PRIMITIVES or name == "add_any":
+          if name in LAYOUT_PRIMITIVES or name in ADDS:
             nxt += [(o, through + (name,)) for o in eqn.outvars]
       frontier = nxt
     return None
@@ -377,6 +400,8 @@ class _Analyzer:
         elif other in fused_values:
           why_not = why_not or (f"the matmul's other operand is gathered over "
                                 f"{by_value[other].base['axis_name']!r} and fused elsewhere")
+        elif not ctx.available_at(other, min(ctx.uses[c.value]), fused_values | {c.value}):
+          why_not = why_not or "the matmul's other operand is computed from another fused gather"
         else:
           choice = (di, operand, kind)
           break
@@ -448,7 +473,7 @@ class _Analyzer:
       elif name in LAYOUT_PRIMITIVES:
         inner.append(i)
         visit(eqn.invars[0], [eqn, *path])
-      elif name == "add_any":
+      elif name in ADDS:
         inner.append(i)
         for x in eqn.invars:
           visit(x, path)

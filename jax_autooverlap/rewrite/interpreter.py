@@ -52,21 +52,37 @@ class Interpreter:
   def eval(self, jaxpr, consts, args) -> list:
     env = {}
 
+    producers = {}
+
     def read(v):
       return v.val if isinstance(v, _jax.Literal) else env[v]
+
+    def value(v):
+      """read(v), computing it first where a fused op needs it early (see analysis)."""
+      if isinstance(v, _jax.Literal) or v in env:
+        return read(v)
+      if not producers:
+        producers.update((o, e) for e in jaxpr.eqns for o in e.outvars)
+      eqn = producers[v]
+      with _jax.eqn_context(eqn):
+        outs = _bind(eqn, eqn.params, [value(x) for x in eqn.invars])
+      env.update(zip(eqn.outvars, outs))
+      return env[v]
 
     for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
       env[v] = x
     key = id(jaxpr)
     for i, eqn in enumerate(jaxpr.eqns):
       for plan in self.plan.emit_before.get((key, i), ()):
-        self._emit(plan, read, env)
+        self._emit(plan, value, env)
       action = self.plan.actions.get((key, i))
       if action is SKIP:
         continue
       if isinstance(action, (AgPlan, RsPlan)):
-        self._emit(action, read, env)
+        self._emit(action, value, env)
         continue
+      if eqn.outvars and all(v in env for v in eqn.outvars):
+        continue  # computed early for a fused op
       invals = [read(v) for v in eqn.invars]
       with _jax.eqn_context(eqn):
         if (key, i) in self.plan.rebuild:

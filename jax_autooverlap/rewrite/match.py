@@ -125,6 +125,8 @@ class Report:
         why.append(m.note)
       collective = "all_gather" if m.kind == "ag_matmul" else "psum_scatter"
       where = f"matmul at {m.dot_source or '?'}; {collective} at {m.source or '?'}"
+      if m.phase == "bwd":  # JAX gives a VJP's equations the lines of the ops they differentiate
+        where = f"VJP of the matmul at {m.dot_source or '?'} and the collective at {m.source or '?'}"
       details.append((i, "; ".join(why), where))
     lines = _table(rows)
     for i, why, where in details:
