@@ -254,7 +254,7 @@ def test_negative_cases_stay_unfused():
                   .reshape(-1, 8), "untiled"),
       "other_operand_from_gathered": (
           lambda x, w: (lambda g: g @ (w * jnp.sum(jnp.sin(g))))(AG(x)),
-          "other operand is computed after the gathered value's first use"),
+          "other operand is computed from the gathered value"),
       "both_operands": (lambda x, w: (lambda g: lax.dot_general(g, g, (((1,), (1,)), ((), ()))))(AG(x))[:, :8] @ w,
                         "both operands"),
   }

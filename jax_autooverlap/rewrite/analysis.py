@@ -319,7 +319,8 @@ class _Analyzer:
         kind = "batch" if dim in batch else "contracting" if dim in contract else "free"
       r = ("gathered dim is a batch dim of the matmul" if kind == "batch" else
            _dtype_reason(deqn, gathered=operand) or
-           ("the matmul's other operand is computed from the gathered value's first use"
+           ("the matmul's other operand is computed from the gathered value (or after its "
+            "first use, by a loop or call)"
             if not ctx.available_at(deqn.invars[1 - operand], first_use, {v}) else None))
       if r:
         dot_reasons[di] = r
