@@ -1,9 +1,10 @@
 """Rewrite coverage: several gathers on one matmul, sums of matmuls before a psum_scatter,
 per-match fallback, a TP+SP training step, and an explain a user can act on."""
+import os
+import pathlib
 import re
 import subprocess
 import sys
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -406,7 +407,8 @@ def test_adjacent_collectives_that_cannot_fuse_are_listed():
 
 # -- the newcomer's path: Quickstart, demo, bench --------------------------------------------------
 
-def test_readme_quickstart_runs():
+def test_readme_quickstart_runs(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
   text = (ROOT / "README.md").read_text()
   section = text.split("## Quickstart", 1)[1]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)

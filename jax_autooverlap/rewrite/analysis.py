@@ -161,9 +161,7 @@ class _AgCandidate:
   value: Any  # the chain's end, which the matmuls consume
   dim: int | None
   dots: list  # indices of the dot_generals consuming `value`
-  reason: str | None  # why the whole candidate is skipped
-  eligible: list  # [(dot index, operand, dim kind)], preferred first
-  dot_reasons: dict  # dot index -> why that dot cannot take the fused op
+  eligible: list  # [(dot index, operand, dim kind)] that may take the fused op, preferred first
   nbytes: int  # size of the gathered value: what the gather moves
 
 
@@ -305,18 +303,14 @@ class _Analyzer:
         "axis_index_groups are not supported" if p.get("axis_index_groups") is not None else
         broken)
     first_use = min(ctx.uses[v])
-    eligible, dot_reasons = [], {}
+    eligible, dot_reasons = [], {}  # dot_reasons: why a dot cannot take the fused op
     for di in dots:
       deqn = ctx.jaxpr.eqns[di]
-      if deqn.invars[0] is v and deqn.invars[1] is v:
+      where = _operand(deqn, v, dim)
+      if where is None:
         dot_reasons[di] = "the gathered value is both operands of the matmul"
         continue
-      operand = 0 if deqn.invars[0] is v else 1
-      kind = None
-      if dim is not None:
-        dd = DotDims(deqn.params["dimension_numbers"], *(a.aval.ndim for a in deqn.invars))
-        (batch, contract, _), _ = dd.side(operand)
-        kind = "batch" if dim in batch else "contracting" if dim in contract else "free"
+      operand, kind = where
       r = ("gathered dim is a batch dim of the matmul" if kind == "batch" else
            _dtype_reason(deqn, gathered=operand) or
            ("the matmul's other operand is computed from the gathered value (or after its "
@@ -331,27 +325,10 @@ class _Analyzer:
     nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize
     if reason is None and not eligible:
       reason = dot_reasons[dots[0]]
-    cand = _AgCandidate(gi, geqn, base, chain, v, dim, dots, reason, eligible, dot_reasons, nbytes)
     if reason:
-      return self._skipped(base, ctx.jaxpr.eqns[dots[0]], reason, n_dots=len(dots),
-                           operand=self._operand(ctx, cand, dots[0]))
-    return cand
-
-  def _operand(self, ctx, cand, di):
-    """(operand index, dim kind) of the candidate's value in dot `di`, for the report."""
-    for e_di, operand, kind in cand.eligible:
-      if e_di == di:
-        return operand, kind
-    deqn = ctx.jaxpr.eqns[di]
-    if deqn.invars[0] is cand.value and deqn.invars[1] is cand.value:
-      return None
-    operand = 0 if deqn.invars[0] is cand.value else 1
-    if cand.dim is None:
-      return operand, None
-    dd = DotDims(deqn.params["dimension_numbers"], *(a.aval.ndim for a in deqn.invars))
-    (batch, contract, _), _ = dd.side(operand)
-    return operand, ("batch" if cand.dim in batch else "contracting" if cand.dim in contract
-                     else "free")
+      deqn = ctx.jaxpr.eqns[dots[0]]
+      return self._skipped(base, deqn, reason, len(dots), _operand(deqn, v, dim))
+    return _AgCandidate(gi, geqn, base, chain, v, dim, dots, eligible, nbytes)
 
   def _dot_reached(self, ctx, v, limit: int = 16):
     """(dot index, primitives on the way) of a matmul reached through layout ops / add_any."""
@@ -391,7 +368,7 @@ class _Analyzer:
       if c.gi in plain:
         deqn = ctx.jaxpr.eqns[c.dots[0]]
         out.append((c.gi, self._skipped(c.base, deqn, plain[c.gi], len(c.dots),
-                                        self._operand(ctx, c, c.dots[0]))))
+                                        _operand(deqn, c.value, c.dim))))
         continue
       choice, why_not = None, None
       for di, operand, kind in c.eligible:
@@ -409,7 +386,7 @@ class _Analyzer:
       if choice is None:
         deqn = ctx.jaxpr.eqns[c.dots[0]]
         out.append((c.gi, self._skipped(c.base, deqn, why_not, len(c.dots),
-                                        self._operand(ctx, c, c.dots[0]))))
+                                        _operand(deqn, c.value, c.dim))))
         continue
       di, operand, kind = choice
       deqn = ctx.jaxpr.eqns[di]
@@ -567,6 +544,18 @@ class _Analyzer:
                                           tuple(dots), replaced)
     claimed.update(dot_idx)
     return match
+
+
+def _operand(deqn, v, dim):
+  """(operand index, kind of the gathered dim) of value v in a matmul; None if v is both."""
+  if deqn.invars[0] is v and deqn.invars[1] is v:
+    return None
+  operand = 0 if deqn.invars[0] is v else 1
+  if dim is None:
+    return operand, None
+  dd = DotDims(deqn.params["dimension_numbers"], *(a.aval.ndim for a in deqn.invars))
+  (batch, contract, _), _ = dd.side(operand)
+  return operand, "batch" if dim in batch else "contracting" if dim in contract else "free"
 
 
 def _same(a, b) -> bool:
