@@ -81,6 +81,21 @@ def test_fsdp_times_sequence_parallel(remat):
     assert_close(g, w, np.float32)
 
 
+@pytest.mark.parametrize("tokens,expect", [
+    (32, [("ag_matmul", "skipped"), ("matmul_rs", "fused")]),   # the scatter moves more
+    (4, [("ag_matmul", "fused"), ("matmul_rs", "skipped")]),    # the weight gather moves more
+])
+def test_gather_and_scatter_on_one_matmul(tokens, expect):
+  """A row-parallel matmul with an FSDP weight gathered on a free dim: one fused op."""
+  mesh = cpu_mesh((2, 4), ("dp", "tp"))
+  specs = (P(None, "tp"), P("tp", "dp"))  # h [tokens, F/tp], w [F/tp, D/dp]
+  args = _args(mesh, [((tokens, 32), specs[0]), ((32, 32), specs[1])])  # 8 weight rows each
+  body = lambda h, w: RS(h @ AG(w, "dp", dim=1), "tp")
+  report = check(smap(mesh, body, specs, P("tp", "dp")), args, expect)
+  reason = report.skipped[0].reason
+  assert ("psum_scatter is fused instead" if tokens == 32 else "holds a fused all_gather") in reason
+
+
 def test_both_gathers_on_one_axis():
   mesh = cpu_mesh((4,), ("x",))
   specs = (P("x"), P("x"))  # rows of x (sequence) and of w (FSDP) over the same axis

@@ -165,6 +165,23 @@ class _AgCandidate:
   nbytes: int  # size of the gathered value: what the gather moves
 
 
+@dataclasses.dataclass
+class _RsCandidate:
+  """A psum_scatter of a matmul (or of a sum of matmuls) that can be fused."""
+  ri: int
+  reqn: Any
+  base: dict  # Match fields
+  dots: list  # the summed dot_general equations, in program order
+  dot_idx: list  # and their indices
+  inner: list  # indices of the layout ops and adds between them and the scatter
+  dim: int  # dim of the dot output that is scattered
+  chain: tuple  # ((eqn, out_dim), ...) applied to the scattered result
+  dn: Any  # dimension numbers of the (merged) matmul
+  op_idx: int  # operand whose free dim is scattered, and that dim
+  op_dim: int
+  nbytes: int  # size of the scattered value: what the scatter moves
+
+
 class _Analyzer:
 
   def __init__(self, plan: Plan, config: OverlapConfig):
@@ -218,13 +235,20 @@ class _Analyzer:
           found.append((i, cand))
         elif cand is not None:
           candidates.append(cand)
-    claimed = set()  # dot_generals that hold a fused op
-    found += self._plan_ags(ctx, candidates, claimed)
+    rs_candidates = []
     for i, eqn in enumerate(jaxpr.eqns):
       if eqn.primitive.name == "reduce_scatter":
-        match = self._match_rs(ctx, i, eqn, claimed)
-        if match is not None:
-          found.append((i, match))
+        cand = self._rs_candidate(ctx, i, eqn)
+        if isinstance(cand, Match):
+          found.append((i, cand))
+        elif cand is not None:
+          rs_candidates.append(cand)
+    # A matmul between a gather and a scatter takes one of them: the scatter unless the
+    # gather is on a free dim (the GPU kernel covers it) and moves more bytes.
+    scattered = {di: c.nbytes for c in rs_candidates for di in c.dot_idx}
+    claimed = set()  # dot_generals that hold a fused op
+    found += self._plan_ags(ctx, candidates, claimed, scattered)
+    found += [(c.ri, self._plan_rs(ctx, c, claimed)) for c in rs_candidates]
     matches = [m for _, m in sorted(found, key=lambda t: t[0])]
     self.plan.report.matches.extend(matches)
     changed = any(m.rewritten for m in matches)
@@ -355,11 +379,15 @@ class _Analyzer:
                  dtype=str(deqn.outvars[0].aval.dtype), n_dots=n_dots,
                  dot_source=_jax.source_line(deqn), **fields)
 
-  def _plan_ags(self, ctx, cands, claimed) -> list:
-    """One fused op per matmul: plan the candidates, preferred first; (index, Match) each."""
+  def _plan_ags(self, ctx, cands, claimed, scattered) -> list:
+    """One fused op per matmul: plan the candidates, preferred first; (index, Match) each.
+
+    A planned gather's value exists only once its fused op is emitted (before the
+    value's first use): a later-planned fused op may read it only if emitted after.
+    """
     key = id(ctx.jaxpr)
     by_value = {c.value: c for c in cands}
-    fused_values = set()  # chain ends of planned gathers: produced by their fused op
+    emitted = {}  # chain end of a planned gather -> (emission index, emitted before that eqn)
     plain = {}  # candidate gi -> why it stays a plain all_gather
     notes = defaultdict(list)
     out = []
@@ -370,16 +398,21 @@ class _Analyzer:
         out.append((c.gi, self._skipped(c.base, deqn, plain[c.gi], len(c.dots),
                                         _operand(deqn, c.value, c.dim))))
         continue
+      first_use = min(ctx.uses[c.value])
+      # values of planned gathers that are not there yet where this op is emitted
+      later = {v for v, (at, before) in emitted.items() if at > first_use
+               or (at == first_use and not before)} | {c.value}
       choice, why_not = None, None
       for di, operand, kind in c.eligible:
         other = ctx.jaxpr.eqns[di].invars[1 - operand]
         if di in claimed:
           why_not = why_not or "its matmul already holds another fused op (one per matmul)"
-        elif other in fused_values:
-          why_not = why_not or (f"the matmul's other operand is gathered over "
-                                f"{by_value[other].base['axis_name']!r} and fused elsewhere")
-        elif not ctx.available_at(other, min(ctx.uses[c.value]), fused_values | {c.value}):
-          why_not = why_not or "the matmul's other operand is computed from another fused gather"
+        elif di in scattered and (kind != "free" or c.nbytes <= scattered[di]):
+          why_not = why_not or ("its matmul's result is reduce-scattered and that psum_scatter "
+                                "is fused instead (one fused op per matmul)")
+        elif not ctx.available_at(other, first_use, later):
+          why_not = why_not or ("the matmul's other operand comes from another fused gather "
+                                "emitted later")
         else:
           choice = (di, operand, kind)
           break
@@ -391,7 +424,8 @@ class _Analyzer:
       di, operand, kind = choice
       deqn = ctx.jaxpr.eqns[di]
       other_gather = by_value.get(deqn.invars[1 - operand])
-      if other_gather is not None and other_gather.gi not in plain:
+      if (other_gather is not None and other_gather.gi not in plain
+          and other_gather.value not in emitted):
         axis = c.base["axis_name"]
         plain[other_gather.gi] = (
             f"one fused op per matmul: the matmul's other operand, gathered over {axis!r}, is "
@@ -419,14 +453,13 @@ class _Analyzer:
       self.plan.actions[(key, c.gi)] = SKIP
       for ceqn, _ in c.chain:
         self.plan.actions[(key, ctx.jaxpr.eqns.index(ceqn))] = SKIP
-      first_use = min(ctx.uses[c.value])
       if first_use == di:
         self.plan.actions[(key, di)] = plan
       else:  # computed where the gathered value is first needed; the matmul's place is empty
         self.plan.emit_before.setdefault((key, first_use), []).append(plan)
         self.plan.actions[(key, di)] = SKIP
       claimed.add(di)
-      fused_values.add(c.value)
+      emitted[c.value] = (first_use, first_use != di)
     return out
 
   # -- dot_general(s) -> psum_scatter ------------------------------------------------
@@ -461,7 +494,8 @@ class _Analyzer:
     visit(v, [])
     return sorted(leaves), sorted(set(inner)), others
 
-  def _match_rs(self, ctx, ri, reqn, claimed):
+  def _rs_candidate(self, ctx, ri, reqn):
+    """An _RsCandidate, a skipped Match, or None (not next to a matmul)."""
     p = reqn.params
     axes = _axes(p["axis_name"])
     d = int(p["scatter_dimension"])
@@ -515,8 +549,6 @@ class _Analyzer:
         "axis_index_groups are not supported" if p.get("axis_index_groups") is not None else
         f"the scattered value adds matmuls and other terms ({', '.join(others)}); only a sum "
         "of matmuls is fused" if others else
-        "the matmul already holds a fused all_gather (one fused op per matmul)"
-        if any(i in claimed for i in dot_idx) else
         "the matmul result is also used elsewhere"
         if any(len(ctx.uses[x]) != 1 or x in ctx.outvars for x in intermediates) else
         "the summed matmuls reach the sum through different layout ops"
@@ -528,21 +560,32 @@ class _Analyzer:
     if reason:
       return Match(status=SKIPPED, reason=reason, **base)
     op_idx, op_dim = (0, dd.lf[dim - nb]) if operand == "lhs" else (1, dd.rf[dim - nb - nlf])
+    emit_chain = path[:-1] if untiled_ok else path  # the last reshape: to the scatter's shape
+    nbytes = math.prod(reqn.invars[0].aval.shape) * np.dtype(reqn.invars[0].aval.dtype).itemsize
+    return _RsCandidate(ri, reqn, base, dots, dot_idx, inner, dim, tuple(zip(emit_chain, dims)),
+                        dn, op_idx, op_dim, nbytes)
+
+  def _plan_rs(self, ctx, c, claimed) -> Match:
+    if any(i in claimed for i in c.dot_idx):
+      return Match(status=SKIPPED, reason="the matmul already holds a fused all_gather (one "
+                   "fused op per matmul)", **c.base)
+    deqn = c.dots[0]
     lhs_dtype, rhs_dtype = deqn.invars[0].aval.dtype, deqn.invars[1].aval.dtype
-    status, impl, reason = self._status(ctx, "matmul_rs", lhs_shape, rhs_shape, op_idx, op_dim,
-                                        dn, n, lhs_dtype if lhs_dtype == rhs_dtype else None,
+    status, impl, reason = self._status(ctx, "matmul_rs", c.base["lhs_shape"],
+                                        c.base["rhs_shape"], c.op_idx, c.op_dim, c.dn,
+                                        c.base["axis_size"],
+                                        lhs_dtype if lhs_dtype == rhs_dtype else None,
                                         deqn.outvars[0].aval.dtype)
-    match = Match(status=status, reason=reason, impl=impl, **base)
+    match = Match(status=status, reason=reason, impl=impl, **c.base)
     if status == SKIPPED:
       return match
     key = id(ctx.jaxpr)
-    for i in (*dot_idx, *inner):
+    for i in (*c.dot_idx, *c.inner):
       self.plan.actions[(key, i)] = SKIP
-    emit_chain = path[:-1] if untiled_ok else path  # the last reshape: to the scatter's shape
-    replaced = tuple(ctx.jaxpr.eqns[i] for i in sorted({*dot_idx, *inner, ri}))
-    self.plan.actions[(key, ri)] = RsPlan(match, deqn, dim, tuple(zip(emit_chain, dims)), reqn,
-                                          tuple(dots), replaced)
-    claimed.update(dot_idx)
+    replaced = tuple(ctx.jaxpr.eqns[i] for i in sorted({*c.dot_idx, *c.inner, c.ri}))
+    self.plan.actions[(key, c.ri)] = RsPlan(match, deqn, c.dim, c.chain, c.reqn, tuple(c.dots),
+                                            replaced)
+    claimed.update(c.dot_idx)
     return match
 
 
