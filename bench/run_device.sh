@@ -2,7 +2,9 @@
 # One device call: install the carried wheels, log the machine, then run the steps asked for.
 # Usage (device tool, carry [".whl"]): bash bench/run_device.sh STEP...
 #   tests-ag | tests-rs   the GPU tests of one kernel (pytest -m gpu; TEST_ARGS passed on)
-#   bench-ag | bench-rs   python -m jax_autooverlap.bench ag|rs (BENCH_ARGS passed on)
+#   bench-ag | bench-rs | bench-model   python -m jax_autooverlap.bench ag|rs|model (BENCH_ARGS passed on)
+#   test:tests/FILE.py    pytest -m gpu on one test file (TEST_ARGS passed on)
+#   launch-cost           python -m jax_autooverlap.bench.launch_cost (host cost of a launch)
 #   any/path.py           a Python script run in the same environment (experiments)
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
@@ -23,9 +25,16 @@ for step in "$@"; do
     tests-ag|tests-rs)
       timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "tests/test_gpu_${step#tests-}.py" \
         -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
-    bench-ag|bench-rs)
+    bench-ag|bench-rs|bench-model)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#bench-}" --out "$OUT" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+    test:*)
+      f=${step#test:}
+      timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider \
+        ${TEST_ARGS:-} 2>&1 | tee "$OUT/$(basename "$f" .py).log" ;;
+    launch-cost)
+      timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.launch_cost --out "$OUT" \
+        2>&1 | tee "$OUT/launch-cost.log" ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;

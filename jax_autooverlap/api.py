@@ -3,16 +3,11 @@
 `jit(f)` wraps `jax.jit` around a function that, at trace time, traces `f`
 to a jaxpr, plans the rewrite and re-emits the program with fused ops.  The
 rewrite therefore runs once per input signature, exactly when jax.jit traces,
-and a later call costs what a jax.jit call costs.
-
-Called at top level, the program is compiled with custom calls kept out of
-XLA's CUDA graphs (runtime/context.py says why), so the GPU kernels may run
-anywhere in it, loop bodies included.  Called inside another transformation,
-the outermost program decides how everything is compiled: inside another
-top-level ao.jit the promise holds; inside a plain jax.jit (or grad, vmap
-outside any jit) it does not, and the kernels run only if XLA_FLAGS keeps
-custom calls out of graphs.  One jax.jit object per case, so that a trace
-made under one promise is never reused under the other.
+and a later call costs what a jax.jit call costs.  Like a jax.jit function,
+an ao.jit function may be called anywhere: at top level, inside another
+jax.jit or ao.jit, in loop bodies, under grad or checkpoint.  The GPU kernels
+allocate nothing per launch, so XLA may capture them into CUDA graphs
+(_compat.py, "global scratch as an operand").
 """
 from __future__ import annotations
 
@@ -21,18 +16,14 @@ from typing import Any, Callable
 
 import jax
 
-from jax_autooverlap._compat import under_a_transformation
 from jax_autooverlap.rewrite import Interpreter, Report, analyze
-from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
 
 
-def _rewriting(fun: Callable, config: OverlapConfig, graph_safe: bool,
-               sink: list | None = None) -> Callable:
+def _rewriting(fun: Callable, config: OverlapConfig, sink: list | None = None) -> Callable:
   @functools.wraps(fun)
   def rewritten(*args, **kwargs):
-    with context.compiled_without_custom_calls_in_graphs(graph_safe):
-      return _rewrite_and_run(fun, config, sink, args, kwargs)
+    return _rewrite_and_run(fun, config, sink, args, kwargs)
 
   return rewritten
 
@@ -83,23 +74,11 @@ class AutoOverlapJit:
       raise TypeError(f"ao.jit expects a callable, got {type(fun).__name__}")
     self._fun = fun
     self._config = _check_config(overlap_config)
-    user_options = dict(jit_kwargs.pop("compiler_options", None) or {})
-    command_buffer = user_options.get("xla_gpu_enable_command_buffer")  # the user's, if set
-    self._graph_safe = command_buffer is None or "CUSTOM_CALL" not in str(command_buffer).upper()
-    top_options = dict(user_options)
-    if command_buffer is None:
-      top_options.update(context.compiler_options_keeping_custom_calls_out_of_graphs())
-    self._top_kwargs = dict(jit_kwargs, compiler_options=top_options)
-    self._jitted = jax.jit(_rewriting(fun, self._config, self._graph_safe), **self._top_kwargs)
-    self._inner = {safe: jax.jit(_rewriting(fun, self._config, safe), **jit_kwargs,
-                                 compiler_options=user_options or None)
-                   for safe in (False, True)}
+    self._jit_kwargs = jit_kwargs
+    self._jitted = jax.jit(_rewriting(fun, self._config), **jit_kwargs)
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args, **kwargs):
-    if under_a_transformation():
-      # compiled as part of an outer program: is that a top-level ao.jit's?
-      return self._inner[context.tracing_for_graph_safe_program()](*args, **kwargs)
     return self._jitted(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
@@ -114,8 +93,7 @@ class AutoOverlapJit:
   def explain(self, *args, **kwargs) -> Report:
     """Trace (without running) and report every candidate, fused or skipped."""
     sink: list[Report] = []
-    jax.jit(_rewriting(self._fun, self._config, self._graph_safe, sink),
-            **self._top_kwargs).trace(*args, **kwargs)
+    jax.jit(_rewriting(self._fun, self._config, sink), **self._jit_kwargs).trace(*args, **kwargs)
     return Report([m for r in sink for m in r.matches])
 
   def __get__(self, obj, objtype=None):  # usable as a method decorator, like jax.jit

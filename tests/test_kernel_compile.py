@@ -58,6 +58,17 @@ def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op=
   return pathlib.Path(files[0]).read_text()
 
 
+def assert_scratch_is_the_operand(ptx):
+  """The kernel's TMA-descriptor scratch is its last explicit parameter (an XLA buffer), never
+  Triton's implicit global-scratch pointer (jaxlib would allocate that on every launch, which
+  CUDA graphs cannot hold): see _compat.py."""
+  import re
+  entry = re.search(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S)
+  params = re.findall(r"\b(\w+_param_\d+)\b", entry.group(2))
+  assert f"[{params[-2]}]" not in ptx and f"[{params[-1]}]" not in ptx, "implicit scratch is read"
+  assert f"[{params[-3]}]" in ptx, "the scratch operand is never read"
+
+
 @pytest.mark.parametrize("dtype_cfg", _tuner_configs("ag"), ids=_ID)
 @pytest.mark.parametrize("shape", [(2048, 8192, 4096), (300, 1024, 640)], ids=["large", "ragged"])
 def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
@@ -70,6 +81,7 @@ def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
   assert "st.global.v4" in ptx or "st.global.v2" in ptx, "peer copies are not vectorised"
+  assert_scratch_is_the_operand(ptx)
 
 
 @pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
@@ -85,6 +97,7 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "ld.global.b16" not in ptx, "owner reads peers' partials element by element (not TMA)"
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
+  assert_scratch_is_the_operand(ptx)
 
 
 @pytest.mark.parametrize("world", [4, 8])

@@ -2,8 +2,11 @@
 
 Builds, at trace time, everything a kernel needs that is per device: the
 symmetric workspace addresses of the GPUs in this device's group (as a
-constant table indexed by the group id computed from the other mesh axes),
-the device's rank (lax.axis_index) and the error-record address.
+constant table indexed by the group id computed from the other mesh axes) and
+the device's rank (lax.axis_index).  The workspace addresses are the same in
+every process (runtime/symmetric.py), so the table, and with it the program,
+is the same in every process; the one per-process address, the error record,
+is in each workspace's header.
 """
 from __future__ import annotations
 
@@ -14,25 +17,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_autooverlap._compat import import_jax_triton, varying_axes
-from jax_autooverlap.runtime import workspace
+from jax_autooverlap._compat import import_jax_triton, scratch_out_type, varying_axes
+from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
-from jax_autooverlap.runtime.workspace import REGISTRY
 from jax_autooverlap.tuning.config import KernelConfig
 
 H100_CLASS_SMS = 132
 
 
-def _address_table(mesh, axis_name, world: int, addresses, err_address: int):
-  """uint32 [groups, 2*(world+1)]: (lo, hi) of each member's workspace, then the error record."""
-  ax = mesh.axis_names.index(axis_name)
-  flat_index = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-  members = np.moveaxis(flat_index, ax, -1).reshape(-1, world)
+def _address_table(mesh, axis_name, world: int, addresses):
+  """uint32 [groups, 2*(world+1)]: (lo, hi) of each member's workspace, then a reserved zero
+  pair (it held the error record's address, which differs per process: now in the header).
+
+  `addresses` are per flat mesh device; groups are in topology.axis_groups order.
+  """
+  flat_index = np.arange(np.asarray(mesh.devices).size).reshape(np.shape(mesh.devices))
+  members = np.array(topology.axis_groups(flat_index, mesh.axis_names, axis_name), np.int64)
   table = np.zeros((members.shape[0], 2 * (world + 1)), np.uint32)
   for g, row in enumerate(members):
     for r, i in enumerate(row):
       table[g, 2 * r], table[g, 2 * r + 1] = addresses[i] & 0xFFFFFFFF, addresses[i] >> 32
-    table[g, 2 * world], table[g, 2 * world + 1] = err_address & 0xFFFFFFFF, err_address >> 32
   return table
 
 
@@ -83,10 +87,11 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
   num_ctas = min(num_sms, num_comm + world * tm * tn)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
-  out, gathered = jt.triton_call(
+  out, gathered, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
       zeroed_outputs=(0, 1) if poison else (),
-      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type),
+      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
@@ -100,14 +105,16 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def _group(mesh, axis_name, workspace_bytes: int):
-  """Per-device set-up shared by the kernels: (table row, rank, world, SM count)."""
-  from jax_autooverlap.runtime import cuda
+  """Per-device set-up shared by the kernels: (table row, rank, world, SM count).
+
+  Everything here is the same in every process of the mesh: the workspace
+  addresses (symmetric) and the SM count (the smallest, agreed at set-up).
+  """
   world = mesh.shape[axis_name]
-  devices = tuple(mesh.devices.flat)
-  addresses = REGISTRY.addresses(devices, workspace_bytes)
-  table = _address_table(mesh, axis_name, world, addresses, REGISTRY.error_record().device_address)
+  ws = workspace.REGISTRY.workspace(mesh, workspace_bytes)
+  table = _address_table(mesh, axis_name, world, ws.addresses)
   rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  return _table_row(table, mesh, axis_name), rank, world, cuda.sm_count(devices[0].local_hardware_id)
+  return _table_row(table, mesh, axis_name), rank, world, ws.num_sms
 
 
 def _as_varying_like(x, inputs, axis_name):
@@ -120,9 +127,9 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
             timeout_s: float, poison: bool = False):
   """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]."""
   m, k = a.shape
-  world = mesh.shape[axis_name]
-  shard_bytes = m * k * np.dtype(a.dtype).itemsize
-  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, shard_bytes))
+  nbytes = workspace.kernel_bytes("ag_rows", mesh.shape[axis_name], m, k, b.shape[1], a.dtype,
+                                  out_dtype)
+  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
   op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
   res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
@@ -147,10 +154,10 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   tn = math.ceil(n / kernel.block_n)
   tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   num_ctas = min(num_sms, world * tm * tn)
-  return jt.triton_call(
+  out, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
-      out_type=jax.ShapeDtypeStruct((m_out, n), out_dtype),
+      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
@@ -159,6 +166,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       MAX_CHUNKS=workspace.MAX_CHUNKS,
       FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
       TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+  return out
 
 
 def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s: float,
@@ -166,9 +174,8 @@ def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s
   """psum_scatter(a @ b, rows) on a group of GPUs; a[M, K], b[K, N] per device -> [M/world, N]."""
   m, k = a.shape
   n = b.shape[1]
-  world = mesh.shape[axis_name]
-  slot_bytes = (m // world) * n * np.dtype(out_dtype).itemsize
-  row, rank, world, num_sms = _group(mesh, axis_name, workspace.required_bytes(world, slot_bytes))
+  nbytes = workspace.kernel_bytes("rs_rows", mesh.shape[axis_name], m, k, n, a.dtype, out_dtype)
+  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
   op_id = register_op(f"matmul_rs over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, n]}, {np.dtype(a.dtype).name})")
   out = launch_gemm_rs(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,

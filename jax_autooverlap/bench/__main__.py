@@ -1,6 +1,7 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -278,7 +279,13 @@ def _gpu_name():
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["model"]:
+    from jax_autooverlap.bench import model
+    return model.main(argv[1:])
+  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
+                               epilog="python -m jax_autooverlap.bench model --help: the "
+                                      "end-to-end training-step benchmark")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                   help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "

@@ -21,7 +21,9 @@ deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
 import triton
 import triton.language as tl
 
-from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
+from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
+                                          table_address, wait_at_least)
 
 
 @triton.jit
@@ -36,10 +38,11 @@ def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
     tl.store(dst + offs, tl.load(src + offs, mask=rmask), mask=rmask)
 
 
+@lean_launch
 @triton.jit
 def ag_gemm_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
-    out_ptr, gathered_ptr,              # outputs
+    out_ptr, gathered_ptr, scratch_ptr,  # outputs (scratch: see _compat.lean_launch)
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
@@ -51,7 +54,7 @@ def ag_gemm_kernel(
   pid = tl.program_id(0)
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
-  err_addr = table_address(table_ptr, WORLD)
+  err_slot = ws + ERROR_SLOT_OFFSET
   header = ws.to(tl.pointer_type(tl.int32))
   epoch = tl.load(header)
   parity = epoch % 2
@@ -87,7 +90,7 @@ def ag_gemm_kernel(
         else:
           c = tm // TILES_PER_CHUNK
           wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                        err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+                        err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      BLOCK_M, COPY_COLS)
 
@@ -123,7 +126,7 @@ def ag_gemm_kernel(
     if src != rank:
       c = tm // TILES_PER_CHUNK
       wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                    err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+                    err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
       a_desc = bufs_desc
       row0 += src * M_SHARD
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

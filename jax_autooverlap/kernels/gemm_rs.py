@@ -24,7 +24,9 @@ signals.
 import triton
 import triton.language as tl
 
-from jax_autooverlap.kernels.sync import finish_call, signal_add, table_address, wait_at_least
+from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
+                                          table_address, wait_at_least)
 
 
 @triton.jit
@@ -45,10 +47,11 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
   return t // PER_OWNER, first_m + (l % GROUP) % group_rows, (l % GROUP) // group_rows
 
 
+@lean_launch
 @triton.jit
 def gemm_rs_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
-    out_ptr,                            # output: [M / WORLD, N]
+    out_ptr, scratch_ptr,               # outputs: [M / WORLD, N]; scratch (_compat.lean_launch)
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_CTAS: tl.constexpr, FLAGS_OFF: tl.constexpr,
@@ -58,7 +61,7 @@ def gemm_rs_kernel(
   out_dtype = out_ptr.dtype.element_ty
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
-  err_addr = table_address(table_ptr, WORLD)
+  err_slot = ws + ERROR_SLOT_OFFSET
   header = ws.to(tl.pointer_type(tl.int32))
   epoch = tl.load(header)
   parity = epoch % 2
@@ -116,7 +119,7 @@ def gemm_rs_kernel(
         if r == rank:
           total += acc
         else:
-          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
                         TIMEOUT_NS)
           total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
       o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))

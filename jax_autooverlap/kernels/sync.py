@@ -15,6 +15,9 @@ import triton
 import triton.language as tl
 
 ERR_TIMEOUT = tl.constexpr(1)  # must match runtime.cuda.ERR_TIMEOUT
+# Where a GPU's workspace header holds the address of its process's error record (it
+# differs per process, so it cannot be in the address table); must match runtime.workspace.
+ERROR_SLOT_OFFSET = tl.constexpr(128)
 
 
 @triton.jit
@@ -55,15 +58,16 @@ def signal_add(ptr, value):
 
 
 @triton.jit
-def wait_at_least(ptr, expected, err_ptr, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
-  """Spin until *ptr >= expected; on timeout record (op, rank, src, chunk) and trap."""
+def wait_at_least(ptr, expected, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
+  """Spin until *ptr >= expected; on timeout record (op, rank, src, chunk) in the error
+  record whose address is stored at err_slot, and trap."""
   seen = ld_acquire_sys(ptr)
   if seen < expected:
     start = globaltimer()
     while seen < expected:
       seen = ld_acquire_sys(ptr)
       if globaltimer() - start > timeout_ns:
-        rec = err_ptr.to(tl.pointer_type(tl.int32))
+        rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
         tl.store(rec + 1, op_id)
         tl.store(rec + 2, rank)
         tl.store(rec + 3, src)

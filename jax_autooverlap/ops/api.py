@@ -112,8 +112,7 @@ def _core_params(op, axis_name, n, a3, b3, precision, out_dtype, config, return_
   rows = {"ag_rows": a3.shape[1], "ag_k": b3.shape[1], "rs_rows": a3.shape[1] // n}[op]
   ring = RingParams(axis_name=axis_name, axis_size=n, chunks=resolve_chunks(config, rows),
                     precision=precision, out_dtype=np.dtype(out_dtype))
-  return core_params(op, ring, a3, b3, config, context.current_mesh(), context.graph_safe(),
-                     return_gathered)
+  return core_params(op, ring, a3, b3, config, context.current_mesh(), return_gathered)
 
 
 # --- ag_matmul -------------------------------------------------------------------

@@ -42,13 +42,11 @@ class CoreParams:
   gpu: GpuPlan | None = None
   config: Any = None  # the op's OverlapConfig, for planning the dual op of the backward pass
   mesh: Any = None
-  graph_safe: bool = False  # compiled with custom calls kept out of CUDA graphs
 
   def dual(self, op, a, b, dtype, return_gathered=False):
     """Params of the dual op run by the backward pass on operands a, b."""
     from jax_autooverlap.ops.planning import dual_params  # planning builds on this module
-    return dual_params(op, a, b, self.ring, self.config, dtype, self.mesh, self.graph_safe,
-                       return_gathered)
+    return dual_params(op, a, b, self.ring, self.config, dtype, self.mesh, return_gathered)
 
 
 def _dispatch(ring_fn, unfused_fn, a, b, cp: CoreParams, gpu_fn=None, need_gathered=True):

@@ -15,7 +15,7 @@ import numpy as np
 
 from jax_autooverlap.ops import fused
 from jax_autooverlap.ops.reference import RingParams
-from jax_autooverlap.runtime import context
+from jax_autooverlap.runtime import context, workspace
 from jax_autooverlap.tuning import select
 from jax_autooverlap.tuning.config import OverlapConfig
 
@@ -38,12 +38,14 @@ class DotDims:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None, graph_safe=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, axis_name=None) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
   (batch, rows, contraction, columns) sizes per device.  Shared by the ops
-  and by ao.explain, so the report says what actually runs.
+  and by ao.explain, so the report says what actually runs.  Where the tuner
+  picks the kernel, the workspace registry must also support the axis' groups
+  (collective over the mesh's processes: the same answer in every process).
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, f"{config.impl} (forced by OverlapConfig)"
@@ -64,39 +66,42 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     why = "no GPU kernel for contracting-dim gathers yet"
   elif dtype is None:
     why = "operands of different dtypes"
-  elif axis_size == 1:
+  elif axis_size == 1 and config.impl != "triton":  # asked for explicitly: runs (tests)
     why = "axis of size 1: a plain matmul"
   elif batch != 1:
     why = f"batched matmul (batch {batch}); the GPU kernel covers 2-D operands"
-  elif not (context.graph_safe() if graph_safe is None else graph_safe):
-    why = context.GRAPH_CAPTURE
   else:
     device_kind = np.asarray(mesh.devices).flat[0].device_kind
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
     verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
+    support = None
     if verdict.kernel is not None:
+      support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
+          op, axis_size, rows, k, cols, dtype, out_dtype))
+    if support is not None and support.ok:
+      spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason})"
-    why = verdict.reason
+          f"triton kernel ({verdict.reason}){spread}"
+    why = verdict.reason if support is None else support.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, f"unfused program on gpu ({why})"
 
 
-def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh, graph_safe,
+def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh,
                 return_gathered=False):
   """Plan for the dual op of a backward pass (other shapes, same axis, mesh and config).
 
-  The backward pass is traced later, outside the forward's context: whether the
-  program keeps custom calls out of CUDA graphs comes from the forward.
+  The backward pass is traced later, outside the forward's context: the mesh
+  comes from the forward.
   """
   ring = dataclasses.replace(ring, out_dtype=np.dtype(out_dtype))
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
     config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
-  return core_params(op, ring, a3, b3, config, mesh, graph_safe, return_gathered)
+  return core_params(op, ring, a3, b3, config, mesh, return_gathered)
 
 
-def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh, graph_safe,
+def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
                 return_gathered=False) -> "fused.CoreParams":
   """Params of a canonical call on a3 [B, M, K], b3 [B, K, N], with the impl `plan` picks."""
   n = ring.axis_size
@@ -104,13 +109,14 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh, graph
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
-  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh, graph_safe)
+  impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
+                      axis_name=ring.axis_name)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
-                          config=config, mesh=mesh, graph_safe=graph_safe)
+                          config=config, mesh=mesh)
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
-             dtype, out_dtype, config: OverlapConfig, mesh) -> str:
+             dtype, out_dtype, config: OverlapConfig, mesh, axis_name=None) -> str:
   """What `plan` will choose for a match of the rewrite (dot shapes as in the program)."""
   dims = DotDims(dn, len(lhs_shape), len(rhs_shape))
   shapes = [list(lhs_shape), list(rhs_shape)]
@@ -126,6 +132,6 @@ def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_s
   if op == "ag_k":
     canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
   try:
-    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh)[2]
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, axis_name=axis_name)[2]
   except ValueError as e:
     return f"error: {e}"

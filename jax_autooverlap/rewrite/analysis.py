@@ -255,7 +255,8 @@ class _Analyzer:
     self._matched[id(jaxpr)] = (matches, changed)
     return changed
 
-  def _status(self, ctx, kind, lhs_shape, rhs_shape, operand, dim, dn, n, dtype, out_dtype):
+  def _status(self, ctx, kind, axis_name, lhs_shape, rhs_shape, operand, dim, dn, n, dtype,
+              out_dtype):
     """(status, impl note, skip reason) of a match that can be rewritten."""
     if ctx.config.impl == "triton" and ctx.mesh is not None:
       platform = context.platform(ctx.mesh)
@@ -263,7 +264,7 @@ class _Analyzer:
         return SKIPPED, None, (f"OverlapConfig(impl='triton') needs NVIDIA GPUs; this mesh is on "
                                f"{platform}")
     note = describe(kind, lhs_shape, rhs_shape, operand, dim, dn, n or 1, dtype, out_dtype,
-                    ctx.config, ctx.mesh)
+                    ctx.config, ctx.mesh, axis_name)
     if note.startswith("error: "):  # describe's form for a forced impl that cannot run here
       return SKIPPED, None, note[len("error: "):]
     # describe's note starts with what runs; "unfused" is the plain collective + matmul.
@@ -435,9 +436,10 @@ class _Analyzer:
       lhs, rhs = (_shape(a) for a in deqn.invars)
       dtype = deqn.invars[0].aval.dtype if deqn.invars[0].aval.dtype == deqn.invars[1].aval.dtype \
           else None
-      status, impl, reason = self._status(ctx, "ag_matmul", lhs, rhs, operand, c.dim,
-                                          deqn.params["dimension_numbers"], c.base["axis_size"],
-                                          dtype, deqn.outvars[0].aval.dtype)
+      status, impl, reason = self._status(
+          ctx, "ag_matmul", c.base["axis_name"], lhs, rhs, operand, c.dim,
+          deqn.params["dimension_numbers"], c.base["axis_size"], dtype,
+          deqn.outvars[0].aval.dtype)
       fields = dict(c.base, operand=("lhs", "rhs")[operand], dim_kind=kind, lhs_shape=lhs,
                     rhs_shape=rhs, out_shape=_shape(deqn.outvars[0]),
                     dtype=str(deqn.outvars[0].aval.dtype), n_dots=len(c.dots),
@@ -571,11 +573,10 @@ class _Analyzer:
                    "fused op per matmul)", **c.base)
     deqn = c.dots[0]
     lhs_dtype, rhs_dtype = deqn.invars[0].aval.dtype, deqn.invars[1].aval.dtype
-    status, impl, reason = self._status(ctx, "matmul_rs", c.base["lhs_shape"],
-                                        c.base["rhs_shape"], c.op_idx, c.op_dim, c.dn,
-                                        c.base["axis_size"],
-                                        lhs_dtype if lhs_dtype == rhs_dtype else None,
-                                        deqn.outvars[0].aval.dtype)
+    status, impl, reason = self._status(
+        ctx, "matmul_rs", c.base["axis_name"], c.base["lhs_shape"], c.base["rhs_shape"],
+        c.op_idx, c.op_dim, c.dn, c.base["axis_size"],
+        lhs_dtype if lhs_dtype == rhs_dtype else None, deqn.outvars[0].aval.dtype)
     match = Match(status=status, reason=reason, impl=impl, **c.base)
     if status == SKIPPED:
       return match
