@@ -5,6 +5,8 @@
 #   bench-ag | bench-rs | bench-model   python -m jax_autooverlap.bench ag|rs|model (BENCH_ARGS passed on)
 #   test:tests/FILE.py    pytest -m gpu on one test file (TEST_ARGS passed on)
 #   launch-cost           python -m jax_autooverlap.bench.launch_cost (host cost of a launch)
+#   tests-loopback | tests-gluon_gemm   one-GPU tests: fused kernels in loopback, the Gluon engine's GEMM
+#   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
 #   any/path.py           a Python script run in the same environment (experiments)
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
@@ -22,7 +24,7 @@ rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests-ag|tests-rs)
+    tests-ag|tests-rs|tests-loopback|tests-gluon_gemm)
       timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "tests/test_gpu_${step#tests-}.py" \
         -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
     bench-ag|bench-rs|bench-model)
@@ -35,6 +37,9 @@ for step in "$@"; do
     launch-cost)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.launch_cost --out "$OUT" \
         2>&1 | tee "$OUT/launch-cost.log" ;;
+    loopback-ag|loopback-rs)
+      timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
+        --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;

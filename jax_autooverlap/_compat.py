@@ -23,6 +23,25 @@
    benchmark, 2026-12-01: +4.4 us over a cuBLAS call with the TTIR, +0.3 us
    without); jaxlib never reads the TTIR to launch, so `lean_launch` kernels
    are built without it.
+
+Three more make jax-triton 0.4.1 compile and launch Gluon kernels
+(`triton.experimental.gluon`):
+4. descriptor metadata: jax-triton requires an `is_im2col` key in every
+   host-side TMA descriptor's metadata; triton 3.6, which has no im2col
+   descriptors, does not write it.  We add `is_im2col: False` where triton
+   left it out (`_GluonAwareStages.make_ttgir`).
+5. front end: jax-triton runs triton's `make_ttir`/`make_ttgir` on every
+   module.  A Gluon module is already TritonGPU IR; triton compiles it with the
+   backend's `gluon_to_ttgir` stage, and the `make_ttgir` pipeline adds a
+   `wgmma.wait_group 0` to its MMA loop (measured 0.408 vs 0.339 ms at
+   4096x8192x4096 on H200).  Gluon modules go through `gluon_to_ttgir`.
+6. launch width (an upstream jax-triton bug, any triton version): jax-triton
+   launches `num_warps` warps, while a warp-specialised kernel needs
+   `ttg.total-num-warps` (e.g. 8 + 4 for one extra producer warp group), and
+   the launch fails with CUDA_ERROR_INVALID_VALUE.  The compiled PTX states
+   the block size the kernel requires (`.reqntid`); we launch that many
+   threads (`_KernelLib`).
+All are installed by `import_jax_triton()`.
 """
 from __future__ import annotations
 
@@ -32,10 +51,10 @@ import types
 
 _TMA_TF32 = 11
 
-# Global scratch per CTA reserved for kernels whose scratch is an operand.  Our
-# kernels make at most a handful of 128-byte TMA descriptors per CTA;
-# compilation fails loudly if a kernel ever needs more.
-SCRATCH_BYTES_PER_CTA = 1024
+# Global scratch per CTA reserved for kernels whose scratch is an operand: TMA descriptors of
+# 128 bytes (the tl kernels make 4, the Gluon GEMM+RS one per peer besides: 1536 bytes at
+# world 8).  Compilation fails loudly if a kernel ever needs more.
+SCRATCH_BYTES_PER_CTA = 4096
 _SCRATCH_ALIGN = 128  # a TMA descriptor's alignment; XLA's buffers are 256-byte aligned
 _lean_kernels: set[str] = set()
 
@@ -87,33 +106,6 @@ def _scratch_as_operand(compiled):
                              global_scratch_size=None, global_scratch_align=None)
 
 
-class _KernelLibWithoutTtir:
-  """jaxlib's gpu_triton module, except that TritonKernels of lean kernels get no TTIR."""
-
-  def __init__(self, lib):
-    self._lib = lib
-
-  def __getattr__(self, name):
-    return getattr(self._lib, name)
-
-  def TritonKernel(self, name, num_warps, num_ctas, shared_mem_bytes, binary, ttir, *rest):
-    return self._lib.TritonKernel(name, num_warps, num_ctas, shared_mem_bytes, binary,
-                                  "" if name in _lean_kernels else ttir, *rest)
-
-
-def _install_launch_shims(triton_lib):
-  compile_fn = triton_lib.compile_ttir_inplace
-  if getattr(compile_fn, "_ao_shim", False):
-    return
-
-  def compile_ttir_inplace(*args, **kwargs):
-    return _scratch_as_operand(compile_fn(*args, **kwargs))
-
-  compile_ttir_inplace._ao_shim = True
-  triton_lib.compile_ttir_inplace = compile_ttir_inplace
-  triton_lib.triton_kernel_call_lib = _KernelLibWithoutTtir(triton_lib.triton_kernel_call_lib)
-
-
 def import_jax_triton():
   """Import jax_triton with the triton-3.6 shim; fail loudly if its NVIDIA backend is a stub."""
   try:
@@ -131,9 +123,84 @@ def import_jax_triton():
                       "the triton/jax-triton pair is incompatible")
   if not hasattr(triton_lib, "compile_ttir_inplace"):
     raise ImportError("jax_autooverlap: this jax-triton has no compile_ttir_inplace; the "
-                      "global-scratch shim (CUDA-graph-safe launches) needs jax-triton 0.4.x")
-  _install_launch_shims(triton_lib)
+                      "launch shims (CUDA-graph-safe launches, Gluon) need jax-triton 0.4.x")
+  _install_shims(triton_lib)
   return jax_triton
+
+
+def is_gluon_module(module) -> bool:
+  """A Gluon kernel's module is TritonGPU IR from the start: it carries ttg.num-warps (a
+  Triton kernel's TTIR gets it only in make_ttgir)."""
+  return module.get_int_attr("ttg.num-warps") is not None
+
+
+class _GluonAwareStages:
+  """The CUDA backend as jax-triton's compile function sees it (fixes 1 and 2 above)."""
+
+  def __init__(self, backend):
+    self._backend = backend
+
+  def __getattr__(self, name):
+    return getattr(self._backend, name)
+
+  def make_ttir(self, mod, metadata, options, capability):
+    if is_gluon_module(mod):
+      return mod  # no TTIR stage: Gluon is lowered from TritonGPU IR
+    return self._backend.make_ttir(mod, metadata, options, capability)
+
+  def make_ttgir(self, mod, metadata, options, capability):
+    if is_gluon_module(mod):
+      mod = self._backend.gluon_to_ttgir(mod, metadata, options, capability)
+    else:
+      mod = self._backend.make_ttgir(mod, metadata, options, capability)
+    for meta in metadata.get("tensordesc_meta") or ():
+      meta.setdefault("is_im2col", False)
+    return mod
+
+
+_REQNTID = re.compile(r"^\s*\.reqntid\s+(\d+)", re.MULTILINE)
+
+
+def launch_warps(binary, num_warps: int) -> int:
+  """Warps to launch a compiled kernel with: its PTX's required block size (`.reqntid`), which
+  counts every partition of a warp-specialised kernel, else `num_warps`."""
+  match = _REQNTID.search(binary) if isinstance(binary, str) else None
+  return int(match.group(1)) // 32 if match else num_warps
+
+
+class _KernelLib:
+  """jaxlib's gpu_triton module, except that a TritonKernel is launched at its PTX's block size
+  (fix 6) and, for lean kernels, built without TTIR (fix 3)."""
+
+  def __init__(self, lib):
+    self._lib = lib
+
+  def __getattr__(self, name):
+    return getattr(self._lib, name)
+
+  def TritonKernel(self, name, num_warps, num_ctas, shared_mem_bytes, binary, ttir, *rest):  # noqa: N802
+    return self._lib.TritonKernel(name, launch_warps(binary, num_warps), num_ctas,
+                                  shared_mem_bytes, binary, "" if name in _lean_kernels else ttir,
+                                  *rest)
+
+
+def _install_shims(triton_lib):
+  if getattr(triton_lib, "_ao_shims", False):
+    return
+  compile_ptx = triton_lib.compile_ttir_to_ptx_inplace
+  compile_any = triton_lib.compile_ttir_inplace
+
+  def compile_ttir_to_ptx_inplace(ttir, cuda_backend, *args, **kwargs):  # fixes 4, 5
+    return compile_ptx(ttir, _GluonAwareStages(cuda_backend), *args, **kwargs)
+
+  def compile_ttir_inplace(*args, **kwargs):  # fix 2 (calls the function above)
+    return _scratch_as_operand(compile_any(*args, **kwargs))
+
+  triton_lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
+  triton_lib.compile_ttir_inplace = compile_ttir_inplace
+  if triton_lib.triton_kernel_call_lib is not None:
+    triton_lib.triton_kernel_call_lib = _KernelLib(triton_lib.triton_kernel_call_lib)
+  triton_lib._ao_shims = True
 
 
 def varying_axes(x) -> frozenset:

@@ -94,7 +94,7 @@ class AutoOverlapJit:
     """Trace (without running) and report every candidate, fused or skipped."""
     sink: list[Report] = []
     jax.jit(_rewriting(self._fun, self._config, sink), **self._jit_kwargs).trace(*args, **kwargs)
-    return Report([m for r in sink for m in r.matches])
+    return Report([m for r in sink for m in r.matches], [n for r in sink[:1] for n in r.notes])
 
   def __get__(self, obj, objtype=None):  # usable as a method decorator, like jax.jit
     if obj is None:

@@ -54,3 +54,11 @@ def fresh_key():
 
 def randn(key, shape, dtype):
   return jax.random.normal(key, shape, np.float32).astype(dtype)
+
+
+@pytest.fixture
+def stand_in_cuda_driver(monkeypatch):
+  """Planning a kernel sets up the symmetric workspace: here through a stand-in driver."""
+  from fake_cuda import FakeDriver
+  from jax_autooverlap.runtime import workspace
+  monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=FakeDriver()))

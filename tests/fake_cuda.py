@@ -10,6 +10,8 @@ host mmap of the memfd, readable with `read` to check contents.
 """
 import mmap
 import os
+
+import numpy as np
 from types import SimpleNamespace
 
 
@@ -129,3 +131,19 @@ class FakeDriver:
     """What is still allocated (all zero after the registry released everything)."""
     return {"handles": len(self.handles), "reserved": len(self.reserved),
             "mapped": len(self.mapped)}
+
+
+class FakeGpu:
+  """A stand-in GPU device for planning tests (what plan() and the workspace read of one)."""
+  platform = "gpu"
+  device_kind = "NVIDIA H200"
+  process_index = 0
+
+  def __init__(self, i):
+    self.id = self.local_hardware_id = i
+
+
+def fake_gpu_mesh(n: int = 2):
+  """A stand-in one-axis ("x") mesh of n FakeGpus."""
+  return SimpleNamespace(devices=np.array([FakeGpu(i) for i in range(n)]), axis_names=("x",),
+                         shape={"x": n})

@@ -116,13 +116,13 @@ def planning_scenario():
   g = jax.shard_map(f, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P(None), check_vma=False)
   sds = (jax.ShapeDtypeStruct((64, 128), jnp.bfloat16), jax.ShapeDtypeStruct((128, 64), jnp.bfloat16))
   result["explain_dp_two_hosts"] = ao.explain(g, *sds).matches[0].impl
-  args = ("ag_rows", ao.OverlapConfig(), 2, (1, 32, 128, 64), jnp.bfloat16, jnp.bfloat16, mesh, True)
+  args = ("ag_rows", ao.OverlapConfig(), 2, (1, 32, 128, 64), jnp.bfloat16, jnp.bfloat16, mesh)
   result["plan_tp_two_hosts"] = planning.plan(*args, axis_name="tp")[::2]
   # The same devices in another order form another device set, set up with one host.
   rv.host_id = lambda: "host-shared"
   mesh2 = jax.make_mesh((2, 2), ("dp", "tp"), devices=list(jax.devices())[::-1],
                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  args = args[:6] + (mesh2, True)
+  args = args[:6] + (mesh2,)
   result["plan_dp_one_host"] = planning.plan(*args, axis_name="dp")[::2]
   result["plan_tp_one_host"] = planning.plan(*args, axis_name="tp")[::2]
 

@@ -1,10 +1,14 @@
 """Compile-only checks of the GPU kernels on any machine (no GPU needed).
 
-Every kernel configuration the tuner can pick is lowered through jax-triton
-for sm_90a via jax.export; its PTX must hold the fast paths: wgmma tensor-core
-instructions, TMA bulk tensor copies, and the system-scope acquire/release
-operations of the cross-GPU protocol.
+Every kernel configuration the tuner can pick, with each engine ("tl" and,
+for 16-bit dtypes, the warp-specialised "gluon"), is lowered through
+jax-triton for sm_90a via jax.export; its PTX must hold the fast paths: wgmma
+tensor-core instructions, TMA bulk tensor copies, and the system-scope
+acquire/release operations of the cross-GPU protocol; the Gluon kernels also
+register reallocation between warp groups (setmaxnreg) and the full TMA-store
+completion wait before a push is released.
 """
+import dataclasses
 import glob
 import pathlib
 
@@ -29,10 +33,23 @@ def _tuner_configs(op):
   for key, entry in select._cache().items():
     if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
+  for dtype, cfg in list(out):  # every 16-bit config with each engine
+    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
+      for engine in ("tl", "gluon"):
+        out.add((dtype, dataclasses.replace(cfg, engine=engine)))
   return sorted(out, key=str)
 
 
-_ID = lambda dc: f"{dc[0]}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}-c{dc[1].chunks}-m{dc[1].num_comm}"
+_ID = lambda dc: (f"{dc[0]}-{dc[1].engine}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}"
+                  f"-c{dc[1].chunks}-m{dc[1].num_comm}")
+
+
+def _check_engine(ptx, cfg):
+  if cfg.engine == "gluon":
+    assert "setmaxnreg" in ptx, "Gluon kernel lost its warp specialisation (register reallocation)"
+    assert ".reqntid 384" in ptx, "Gluon kernel: 8 consumer warps + 1 producer warp group expected"
+  else:
+    assert "setmaxnreg" not in ptx
 
 
 def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag"):
@@ -82,6 +99,7 @@ def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "%globaltimer" in ptx, "waits are no longer bounded"
   assert "st.global.v4" in ptx or "st.global.v2" in ptx, "peer copies are not vectorised"
   assert_scratch_is_the_operand(ptx)
+  _check_engine(ptx, cfg)
 
 
 @pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
@@ -98,13 +116,18 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   assert "sys.release" in ptx, "producer lost its system-scope release"
   assert "%globaltimer" in ptx, "waits are no longer bounded"
   assert_scratch_is_the_operand(ptx)
+  _check_engine(ptx, cfg)
+  if cfg.engine == "gluon":  # pushes are TMA stores: written (not only read) before the release
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes are not TMA stores"
+    assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"
 
 
+@pytest.mark.parametrize("engine", ["tl", "gluon"])
 @pytest.mark.parametrize("world", [4, 8])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op):
+def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, engine):
   """The kernels are written for any group size: WORLD is a compile-time constant."""
-  cfg = select.default_kernel(jnp.bfloat16)
+  cfg = dataclasses.replace(select.default_kernel(jnp.bfloat16), engine=engine)
   ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(jnp.bfloat16), cfg, 1024 if op == "ag" else 4096,
              2048, 3072, world=world, return_gathered=(op == "ag"), op=op)
   assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx

@@ -154,8 +154,8 @@ def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch)
   monkeypatch.setattr(select, "choose_ag", lambda *a: select.Verdict(KernelConfig(), "measured"))
   mesh, bf16 = _cpu_mesh((2,), ("tp",)), jnp.bfloat16
   plan = lambda rows, cfg=ao.OverlapConfig(): planning.plan(
-      "ag_rows", cfg, 2, (1, rows, 1024, 512), bf16, bf16, mesh, True, axis_name="tp")
-  assert plan(512)[:3:2] == ("triton", "triton kernel (measured)")
+      "ag_rows", cfg, 2, (1, rows, 1024, 512), bf16, bf16, mesh, axis_name="tp")
+  assert plan(512)[:3:2] == ("triton", "triton kernel (measured; tl engine)")
   need = workspace.kernel_bytes("ag_rows", 2, 512, 1024, 512, bf16, bf16)
   assert need > FakeDriver.GRANULARITY
   planned = workspace.REGISTRY.workspace(mesh, 1)
@@ -339,7 +339,7 @@ def test_planning_falls_back_across_hosts_in_every_process():
   why = p0["explain_dp_two_hosts"]
   assert why.startswith("unfused program on gpu (the groups of axis 'dp' span 2 hosts")
   assert "ranks [0] on host 'host-0', ranks [1] on host 'host-1'" in why
-  assert p0["plan_tp_two_hosts"] == ["triton", "triton kernel (measured: fused kernel faster)"]
+  assert p0["plan_tp_two_hosts"] == ["triton", "triton kernel (measured: fused kernel faster; tl engine)"]
   assert p0["plan_dp_one_host"] == ["triton",
-                                    "triton kernel (measured: fused kernel faster), 2 processes"]
+                                    "triton kernel (measured: fused kernel faster; tl engine), 2 processes"]
   assert p0["plan_tp_one_host"][0] == "triton"

@@ -9,6 +9,7 @@ import jax_autooverlap as ao
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning import select
 from jax_autooverlap.tuning.config import KernelConfig
+from fake_cuda import fake_gpu_mesh
 
 H200 = "NVIDIA H200"
 
@@ -33,7 +34,7 @@ def test_measured_cache_drives_the_choice():
 
 def test_small_shapes_fall_back_and_unsupported_shapes_say_why():
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
-  assert v.kernel is None and "too small" in v.reason
+  assert v.kernel is None and "model: unfused" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 1000, 4096, jnp.bfloat16, jnp.bfloat16)
   assert v.kernel is None and "K=1000" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 4096, jnp.int8, jnp.int32)
@@ -81,26 +82,7 @@ def test_workspace_layout_and_address_table():
     assert int(table[g, 8]) == int(table[g, 9]) == 0  # reserved: error record is in the header
 
 
-class _FakeGpu:
-  platform = "gpu"
-  device_kind = "NVIDIA H200"
-  process_index = 0
-
-  def __init__(self, i):
-    self.id = self.local_hardware_id = i
-
-
-def _fake_gpu_mesh():
-  from types import SimpleNamespace
-  return SimpleNamespace(devices=np.array([_FakeGpu(0), _FakeGpu(1)]), axis_names=("x",),
-                         shape={"x": 2})
-
-
-@pytest.fixture(autouse=True)
-def _stand_in_cuda_driver(monkeypatch):
-  """Planning a kernel sets up the symmetric workspace: here through a stand-in driver."""
-  from fake_cuda import FakeDriver
-  monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=FakeDriver()))
+pytestmark = pytest.mark.usefixtures("stand_in_cuda_driver")
 
 
 _FAST = {"block_k": 64, "block_m": 128, "block_n": 256, "chunks": 8, "group_m": 8,
@@ -116,7 +98,7 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
   from jax_autooverlap.ops.planning import plan
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
-  mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
+  mesh, cfg, bf16 = fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
   assert impl == "triton" and gpu.kernel == KernelConfig(**_FAST) and "measured" in why
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh)
@@ -124,7 +106,7 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
   impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "triton" and "heuristic" in why                               # between measured
+  assert impl == "triton" and "model: fused" in why                            # between measured
   impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and "contracting" in why
   impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh)
@@ -173,7 +155,7 @@ def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
 def test_kernels_planned_whatever_the_command_buffer_flags(monkeypatch):
   """Kernel launches allocate nothing, so XLA may capture them in CUDA graphs: no flag matters."""
   from jax_autooverlap.ops.planning import plan
-  mesh, cfg, bf16 = _fake_gpu_mesh(), ao.OverlapConfig(impl="triton"), jnp.bfloat16
+  mesh, cfg, bf16 = fake_gpu_mesh(), ao.OverlapConfig(impl="triton"), jnp.bfloat16
   for flags in ("", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
                 "--xla_gpu_enable_command_buffer=+WHILE", "--xla_gpu_enable_command_buffer="):
     monkeypatch.setenv("XLA_FLAGS", flags)
@@ -247,7 +229,7 @@ def test_backward_dual_is_planned_on_the_forward_mesh():
                     out_dtype=np.dtype(jnp.bfloat16))
   a = jnp.zeros((1, 2048, 8192), jnp.bfloat16)  # the dual ag_rows of a 4096x8192x8192 rs
   b = jnp.zeros((1, 8192, 4096), jnp.bfloat16)
-  mesh = _fake_gpu_mesh()
+  mesh = fake_gpu_mesh()
   dual = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh)
   assert dual.impl == "triton" and dual.gpu.mesh is mesh
 

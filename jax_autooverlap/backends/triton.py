@@ -76,6 +76,12 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   poison (tests): zero the outputs before the launch, so that elements the
   kernel fails to write show up as exact zeros.
   """
+  if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
+    from jax_autooverlap.backends import gluon
+    return gluon.launch_ag_gemm(a, b, table_row, rank, world=world, kernel=kernel,
+                                out_dtype=out_dtype, return_gathered=return_gathered,
+                                timeout_s=timeout_s, num_sms=num_sms, op_id=op_id,
+                                compute_capability=compute_capability, poison=poison)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
 
@@ -144,6 +150,11 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
   """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group)."""
+  if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
+    from jax_autooverlap.backends import gluon
+    return gluon.launch_gemm_rs(a, b, table_row, rank, world=world, kernel=kernel,
+                                out_dtype=out_dtype, timeout_s=timeout_s, num_sms=num_sms,
+                                op_id=op_id, compute_capability=compute_capability, poison=poison)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
 

@@ -1,7 +1,9 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
+    python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
     python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
+    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback.py)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -100,8 +102,8 @@ def _best_of(program, arg_sets, want, iters, sweep):
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
       _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
-    _log(f"  ours chunks={cfg.chunks} comm={cfg.num_comm} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
-         f" {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
+    _log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
+         f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
     if err > 2e-2 or not repeat:
       _log("  -> wrong or non-deterministic result, not counted")
       continue
@@ -280,12 +282,19 @@ def _gpu_name():
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["calibrate"]:  # the cost model's calibration
+    from jax_autooverlap.bench import calibrate
+    return calibrate.main(argv[1:])
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])
+  if "--loopback" in argv:  # one GPU: bench/loopback.py
+    from jax_autooverlap.bench import loopback
+    return loopback.main(argv)
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
                                epilog="python -m jax_autooverlap.bench model --help: the "
-                                      "end-to-end training-step benchmark")
+                                      "end-to-end training-step benchmark; ... calibrate --help: "
+                                      "the cost model's calibration")
   ap.add_argument("op", choices=["ag", "rs"])
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                   help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
@@ -297,6 +306,8 @@ def main(argv=None):
   ap.add_argument("--no-rivals", action="store_true")
   ap.add_argument("--no-cache", action="store_true",
                   help="do not record the verdicts in the user's tuning cache")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="kernel engines to sweep (the tuner keeps the fastest correct config)")
   ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -313,9 +324,11 @@ def main(argv=None):
     print("bench: needs at least 2 NVIDIA GPUs", file=sys.stderr)
     return 2
   base = default_kernel(args.dtype)
-  sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "num_comm": nc})
-           for c, nc in ((4, 8), (4, 16), (8, 16), (8, 32))]
-  rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c}) for c in (4, 16)]
+  engines = [e for e in args.engines.split(",") if e]
+  sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "num_comm": nc, "engine": e})
+           for e in engines for c, nc in ((4, 8), (4, 16), (8, 16), (8, 32))]
+  rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "engine": e})
+              for e in engines for c in (4, 16)]
   date = datetime.date.today().isoformat()
   gpu, versions = _gpu_name(), _versions()
   records, windowed = [], {}

@@ -47,11 +47,20 @@ def _axis_size(axis_name, op: str) -> int:
                     f"(or jit/pmap) whose mesh has an axis named {axis_name!r} ({e})") from None
 
 
-def _as_varying(x, axis_name):
-  """Mark x as varying over the axis, as JAX's own collectives require under check_vma."""
-  if axis_name in varying_axes(x):
-    return x
-  return lax.pcast(x, axis_name, to="varying")  # a no-op under check_vma=False
+def _as_varying(x, w, axis_name):
+  """x and w marked varying over the axis and over every axis either already varies over.
+
+  JAX's own collectives require the first under check_vma; the second keeps
+  the custom VJPs' cotangent types equal to the operands' types: an operand
+  invariant over an axis its partner varies over (a weight replicated over
+  'dp' times 'dp'-sharded activations) gets JAX's pcast, whose transpose sums
+  its cotangent over that axis outside the fused op.
+  """
+  axes = sorted({axis_name} | varying_axes(x) | varying_axes(w), key=str)
+  def cast(v):
+    missing = tuple(a for a in axes if a not in varying_axes(v))
+    return lax.pcast(v, missing, to="varying") if missing else v  # no-op under check_vma=False
+  return cast(x), cast(w)
 
 
 def _default_dn(x, w) -> DotDimensionNumbers:
@@ -155,7 +164,7 @@ def ag_matmul(x, w, axis_name, *, gather_dim: int = 0, gather_operand: int = 0,
       f"{which} {_fmt(gathered_op.shape, gathered_op.dtype)} gathered on dim {g} over axis "
       f"{axis_name!r} of size {n} is {_fmt(full_shape, gathered_op.dtype)}; the other operand "
       f"is {_fmt(other.shape, other.dtype)}")
-  x, w = _as_varying(x, axis_name), _as_varying(w, axis_name)
+  x, w = _as_varying(x, w, axis_name)
   gathered_op, other = (x, w) if gather_operand == 0 else (w, x)
   batch_sizes = [gathered_op.shape[d] for d in ab]
   batch_labels = [("b", i) for i in range(len(ab))]
@@ -234,7 +243,7 @@ def matmul_rs(x, w, axis_name, *, scatter_dim: int = 0,
     raise ValueError(f"{op}: scatter_dim={s} is a batch dimension of the dot_general {dn}; "
                      "only free (row or column) dimensions can be scattered")
   operand, g = (0, dims.lf[s - nb]) if s < nb + len(dims.lf) else (1, dims.rf[s - nb - len(dims.lf)])
-  x, w = _as_varying(x, axis_name), _as_varying(w, axis_name)
+  x, w = _as_varying(x, w, axis_name)
   scattered_op, other = (x, w) if operand == 0 else (w, x)
   (ab, ac, af), (ob, oc, of) = dims.side(operand)
   af_ord = (g, *(d for d in af if d != g))

@@ -2,13 +2,15 @@
 
 `plan` decides per canonical call (ag_rows / ag_k / rs_rows with sizes
 (batch, rows, contraction, columns) per device) between the reference ring,
-the unfused program and the GPU kernels, consulting the tuner; `describe`
-answers the same question for a match of the rewrite; `dual_params` plans the
-dual op of a backward pass.
+the unfused program and the GPU kernels, consulting the tuner (and, where
+asked, autotuning the cost model's choice on programs it builds here);
+`describe` answers the same question for a match of the rewrite;
+`dual_params` plans the dual op of a backward pass.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -16,8 +18,8 @@ import numpy as np
 from jax_autooverlap.ops import fused
 from jax_autooverlap.ops.reference import RingParams
 from jax_autooverlap.runtime import context, workspace
-from jax_autooverlap.tuning import select
-from jax_autooverlap.tuning.config import OverlapConfig
+from jax_autooverlap.tuning import autotune, select
+from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
 
 class DotDims:
@@ -38,7 +40,7 @@ class DotDims:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None, axis_name=None) -> tuple[str, "fused.GpuPlan | None", str]:
+         mesh=None, *, axis_name=None, may_time=False) -> tuple[str, "fused.GpuPlan | None", str]:
   """Which implementation runs a fused call: (impl, gpu plan, human-readable reason).
 
   `op` is the canonical core ("ag_rows", "ag_k", "rs_rows"); `canonical` its
@@ -46,6 +48,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   and by ao.explain, so the report says what actually runs.  Where the tuner
   picks the kernel, the workspace registry must also support the axis' groups
   (collective over the mesh's processes: the same answer in every process).
+  `may_time` (the ops' first call, never ao.explain) lets a cost-model choice
+  be autotuned where the config asks for it.
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, f"{config.impl} (forced by OverlapConfig)"
@@ -75,17 +79,64 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
     verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
     support = None
+    verdict = _autotuned(op, verdict, config, mesh, axis_name if may_time else None,
+                         (rows, k, cols), dtype, out_dtype)
     if verdict.kernel is not None:
       support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
           op, axis_size, rows, k, cols, dtype, out_dtype))
     if support is not None and support.ok:
       spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason}){spread}"
+          f"triton kernel ({verdict.reason}; {verdict.kernel.engine} engine){spread}"
     why = verdict.reason if support is None else support.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, f"unfused program on gpu ({why})"
+
+
+def _autotuned(op, verdict: select.Verdict, config: OverlapConfig, mesh, axis_name, sizes, dtype,
+               out_dtype) -> select.Verdict:
+  """The cost model's choice, timed against its runners-up and the unfused program if asked."""
+  if verdict.source != "model" or not verdict.candidates or not autotune.enabled(config):
+    return verdict
+  if axis_name is None:  # ao.explain: says what the first call will do, times nothing
+    return dataclasses.replace(verdict, reason=f"{verdict.reason}; autotuned on the first call")
+  why_not = autotune.why_not()
+  if why_not:
+    return dataclasses.replace(verdict, reason=f"{verdict.reason}; {why_not}")
+  time_program = functools.partial(_time_program, op, mesh, axis_name, sizes, dtype, out_dtype)
+  return autotune.tune(op[:2], verdict, time_program)
+
+
+def _time_program(op, mesh, axis_name, sizes, dtype, out_dtype, kernel: KernelConfig | None,
+                  input_sets: int = 2) -> float:
+  """ms per call of the op alone in shard_map over `mesh` (every device runs it, as the
+  kernels need), on fresh random inputs: the unfused program, or the kernel `kernel`."""
+  import jax
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from jax_autooverlap import api  # the top of the package: imported when used
+  rows, k, cols = sizes
+  n = mesh.shape[axis_name]
+  dn = (((1,), (0,)), ((), ()))
+  dot = lambda x, w: lax.dot_general(x, w, dn, preferred_element_type=out_dtype)
+  if op == "ag_rows":
+    body = lambda x, w: dot(lax.all_gather(x, axis_name, axis=0, tiled=True), w)
+    shapes, specs, out_spec = ((n * rows, k), (k, n * cols)), (P(axis_name), P(None, axis_name)), \
+        P(None, axis_name)
+  else:
+    body = lambda x, w: lax.psum_scatter(dot(x, w), axis_name, scatter_dimension=0, tiled=True)
+    shapes, specs, out_spec = ((rows, n * k), (n * k, cols)), (P(None, axis_name), P(axis_name)), \
+        P(axis_name)
+  program = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
+  fn = jax.jit(program) if kernel is None else api.jit(
+      program, overlap_config=OverlapConfig(impl="triton", kernel=kernel))
+  keys = iter(jax.random.split(jax.random.key(sum(sizes)), 2 * input_sets))
+  arg_sets = [tuple(jax.device_put(jax.random.normal(next(keys), shape, np.float32).astype(dtype),
+                                   NamedSharding(mesh, spec)) for shape, spec in zip(shapes, specs))
+              for _ in range(input_sets)]
+  return autotune.time_call(fn, arg_sets)
 
 
 def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, mesh,
@@ -97,7 +148,7 @@ def dual_params(op, a3, b3, ring: RingParams, config: OverlapConfig, out_dtype, 
   """
   ring = dataclasses.replace(ring, out_dtype=np.dtype(out_dtype))
   if config.impl == "triton":  # forced for the forward op; the dual may not fit the kernel
-    config = OverlapConfig(impl="auto", chunks=config.chunks, timeout_s=config.timeout_s)
+    config = dataclasses.replace(config, impl="auto", kernel=None)
   return core_params(op, ring, a3, b3, config, mesh, return_gathered)
 
 
@@ -110,7 +161,7 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = a3.dtype if a3.dtype == b3.dtype else None
   impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
-                      axis_name=ring.axis_name)
+                      axis_name=ring.axis_name, may_time=True)
   return fused.CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
                           config=config, mesh=mesh)
 

@@ -5,9 +5,10 @@ Walks a closed jaxpr, recursing into every sub-jaxpr found in equation params
 higher-order primitive).  Inside shard_map bodies it matches
   all_gather -> [layout ops] -> dot_general          (kind "ag_matmul")
   dot_general(s) -> [layout ops, add/add_any] -> reduce_scatter   (kind "matmul_rs")
-Every all_gather / psum_scatter adjacent to a dot_general (directly or through
-layout ops, casts and sums) becomes a `Match`, rewritten or skipped with a
-reason.  The plan says, per (jaxpr, equation index), what the interpreter does
+Outside shard_map, explicit.py matches the collectives that explicit-sharding
+types imply.  Every all_gather / psum_scatter adjacent to a dot_general
+(directly or through layout ops, casts and sums) becomes a `Match`, rewritten
+or skipped with a reason.  The plan says, per (jaxpr, equation index), what the interpreter does
 instead of binding the equation (skip it, emit a fused op, rebuild a
 sub-jaxpr) and which fused ops it emits before an equation.
 
@@ -28,7 +29,7 @@ import numpy as np
 from jax_autooverlap.ops.planning import DotDims, describe
 from jax_autooverlap.rewrite import _jax, summed
 from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through
-from jax_autooverlap.rewrite.match import FUSED, SKIPPED, UNFUSED, Match, Report
+from jax_autooverlap.rewrite.match import SKIPPED, Match, Report, status_of
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
 
@@ -88,6 +89,9 @@ class Plan:
 def analyze(closed_jaxpr, config: OverlapConfig | None = None) -> Plan:
   plan = Plan()
   _Analyzer(plan, config or OverlapConfig()).walk(closed_jaxpr.jaxpr, False, "", None)
+  if not plan.report.matches:  # say what was looked at and what to change
+    from jax_autooverlap.rewrite import explicit
+    plan.report.notes.extend(explicit.survey(closed_jaxpr))
   return plan
 
 
@@ -209,6 +213,9 @@ class _Analyzer:
         self.plan.inside[(id(jaxpr), i)] = self.plan.report.matches[first:]
     if manual:
       changed |= self._match(jaxpr, path or "/", mesh, phase)
+    else:  # no shard_map: collectives implied by explicit-sharding types
+      from jax_autooverlap.rewrite import explicit  # explicit.py builds on this module
+      changed |= explicit.match(self.plan, self.config, jaxpr, path or "/")
     return changed
 
   def _match(self, jaxpr, path, mesh, phase) -> bool:
@@ -267,8 +274,7 @@ class _Analyzer:
                     ctx.config, ctx.mesh, axis_name)
     if note.startswith("error: "):  # describe's form for a forced impl that cannot run here
       return SKIPPED, None, note[len("error: "):]
-    # describe's note starts with what runs; "unfused" is the plain collective + matmul.
-    return (UNFUSED if note.startswith("unfused") else FUSED), note, ""
+    return status_of(note), note, ""
 
   # -- all_gather -> dot_general -----------------------------------------------
 

@@ -23,6 +23,7 @@ import jax
 from jax_autooverlap.ops.api import ag_matmul, matmul_rs
 from jax_autooverlap.rewrite import _jax, summed
 from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
+from jax_autooverlap.rewrite.explicit import ExplicitAction
 from jax_autooverlap.rewrite.layout import apply_to_shard
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -80,6 +81,10 @@ class Interpreter:
         continue
       if isinstance(action, (AgPlan, RsPlan)):
         self._emit(action, value, env)
+        continue
+      if isinstance(action, ExplicitAction):  # programs without shard_map: explicit.py
+        with _jax.eqn_context(eqn):
+          action.emit(self, value, env)
         continue
       if eqn.outvars and all(v in env for v in eqn.outvars):
         continue  # computed early for a fused op

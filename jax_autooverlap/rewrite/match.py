@@ -6,13 +6,21 @@ from typing import Any
 
 
 FUSED, UNFUSED, SKIPPED = "fused", "unfused", "skipped"
+
+
+def status_of(impl: str) -> str:
+  """Status of a rewritten match from the planner's note (ops.planning.describe), which
+  starts with what runs: "unfused ..." where the plain collective and matmul run."""
+  return UNFUSED if impl.startswith("unfused") else FUSED
+
 PHASES = {"fwd": "forward pass", "bwd": "backward pass (a transpose / VJP)",
           "remat": "forward recomputed in the backward pass (jax.checkpoint)"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-  """A collective next to a dot_general inside a shard_map body.
+  """A collective next to a dot_general inside a shard_map body (or implied by the sharding
+  types of a program without shard_map: origin "explicit").
 
   kind: "ag_matmul" (all_gather -> dot_general) or "matmul_rs"
     (dot_general -> psum_scatter).
@@ -33,6 +41,8 @@ class Match:
     recomputed by jax.checkpoint in the backward pass).
   source / dot_source: the user's source lines of the collective and of the
     matmul; path: where in the program (nesting of jit/shard_map/scan/...).
+  origin: "shard_map" (a collective in a shard_map body) or "explicit" (a
+    collective implied by the sharding types of a program without shard_map).
   """
   kind: str
   status: str
@@ -53,6 +63,7 @@ class Match:
   note: str = ""
   phase: str = "fwd"
   dot_source: str = ""
+  origin: str = "shard_map"  # or "explicit": implied by explicit-sharding types, no shard_map
 
   @property
   def fused(self) -> bool:
@@ -79,6 +90,7 @@ def _table(rows):
 class Report:
   """All candidates of one traced program; `str(report)` is a readable table."""
   matches: list[Match] = dataclasses.field(default_factory=list)
+  notes: list[str] = dataclasses.field(default_factory=list)  # what was looked at, if empty
 
   @property
   def fused(self) -> list[Match]:
@@ -109,13 +121,15 @@ class Report:
 
   def __str__(self):
     if not self.matches:
-      return "jax_autooverlap: no all_gather/psum_scatter next to a dot_general was found."
+      return "\n".join(["jax_autooverlap: no all_gather/psum_scatter next to a dot_general was "
+                        "found."] + [f"  {note}" for note in self.notes])
     head = ("#", "pass", "kind", "status", "axis", "dim", "lhs", "rhs", "out", "dtype", "path")
     rows, details = [head], []
     for i, m in enumerate(self.matches):
       dim = f"{m.collective_dim}" + (f" ({m.operand} {m.dim_kind})" if m.operand else "")
       axis = f"{m.axis_name}" + (f"={m.axis_size}" if m.axis_size else "")
-      rows.append((str(i), m.phase, m.kind, m.status, axis, dim, _shape(m.lhs_shape),
+      kind = m.kind + (" [explicit]" if m.origin == "explicit" else "")
+      rows.append((str(i), m.phase, kind, m.status, axis, dim, _shape(m.lhs_shape),
                    _shape(m.rhs_shape), _shape(m.out_shape), m.dtype or "-", m.path or "/"))
       why = [f"impl: {m.impl}" if m.rewritten else f"why: {m.reason}"]
       if m.n_dots > 1:

@@ -1,7 +1,8 @@
 """Frozen, self-validating configuration of the fused ops.
 
 Choice order (tuning/select.py): explicit config -> tuning cache (measured
-verdicts: shipped JSON and the user's benchmark runs) -> heuristic.  The cache says, per device kind,
+verdicts: shipped JSON, the user's benchmark runs and first-call autotuning)
+-> cost model (tuning/model.py) -> unfused.  The cache says, per device kind,
 world size, shape and dtype, whether the fused GPU kernel beat the unfused
 program and with which kernel config.
 """
@@ -14,6 +15,10 @@ Impl = Literal["auto", "reference", "unfused", "triton"]
 IMPLS: tuple[str, ...] = ("auto", "reference", "unfused", "triton")
 
 DEFAULT_CHUNKS = 1
+
+# GPU kernel engines: "tl" the portable Triton kernels (kernels/ag_gemm.py, gemm_rs.py), "gluon"
+# the warp-specialised Gluon kernels for sm_90 (kernels/gluon_*.py).  The tuner picks by measurement.
+ENGINES: tuple[str, ...] = ("tl", "gluon")
 
 
 def _positive_int(owner: str, name: str, value, allow_none=False):
@@ -35,16 +40,29 @@ class KernelConfig:
   num_stages: int = 3
   chunks: int = 4      # communication chunks per shard (arrival granularity)
   num_comm: int = 8    # CTAs that move data (the rest compute)
+  engine: str = "tl"   # one of ENGINES
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      _positive_int("KernelConfig", f.name, getattr(self, f.name))
+      if f.name != "engine":
+        _positive_int("KernelConfig", f.name, getattr(self, f.name))
+    if self.engine not in ENGINES:
+      raise ValueError(f"KernelConfig: engine={self.engine!r} is not one of {ENGINES}")
     for f in ("block_m", "block_n", "block_k"):
       v = getattr(self, f)
       if v & (v - 1) or v < 16:
         raise ValueError(f"KernelConfig: {f}={v} must be a power of two >= 16")
     if self.num_warps not in (4, 8):
       raise ValueError(f"KernelConfig: num_warps={self.num_warps} must be 4 or 8")
+    if self.engine == "gluon":
+      # two consumer warpgroups of 64 rows each; one wgmma is at most 256 columns wide; the
+      # producer needs a second stage to fill while the consumers read the first
+      need = {"block_m": (self.block_m == 128, "128"), "block_n": (self.block_n <= 256, "<= 256"),
+              "num_warps": (self.num_warps == 8, "8"), "num_stages": (self.num_stages >= 2, ">= 2")}
+      for name, (ok, want) in need.items():
+        if not ok:
+          raise ValueError(f"KernelConfig: {name}={getattr(self, name)} must be {want} for "
+                           "engine='gluon'")
 
   def smem_bytes(self, in_bytes: int, out_bytes: int) -> int:
     """Shared memory of the GEMM pipeline plus the TMA-store epilogue."""
@@ -64,11 +82,16 @@ class OverlapConfig:
   chunks: pieces each shard is split into by the reference ring (>= 1).
   kernel: explicit GPU kernel config (else the tuner's).
   timeout_s: bound on every cross-GPU wait of the kernels.
+  autotune: on the first call with a shape that has no measured verdict, time
+    the cost model's best kernel configs and the unfused program on the GPUs
+    and keep the fastest in the user's tuning cache (tuning/autotune.py; also
+    on with the environment variable JAX_AUTOOVERLAP_AUTOTUNE=1).
   """
   impl: Impl = "auto"
   chunks: int | None = None
   kernel: KernelConfig | None = None
   timeout_s: float = 10.0
+  autotune: bool = False
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -78,6 +101,8 @@ class OverlapConfig:
       raise TypeError(f"OverlapConfig: kernel must be a KernelConfig, got {type(self.kernel).__name__}")
     if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 3600):
       raise ValueError(f"OverlapConfig: timeout_s={self.timeout_s!r} must be in (0, 3600]")
+    if not isinstance(self.autotune, bool):
+      raise TypeError(f"OverlapConfig: autotune={self.autotune!r} must be a bool")
 
 
 def resolve_chunks(config: OverlapConfig, rows: int) -> int:

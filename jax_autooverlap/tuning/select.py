@@ -1,12 +1,18 @@
 """Pick the GPU kernel config for a fused call, or decide the unfused program wins.
 
-Order: explicit `OverlapConfig.kernel` -> measured cache -> heuristic.  The
-cache is the JSON shipped in tuning/data/ plus the user's cache directory
-(`user_cache_dir()`, where `python -m jax_autooverlap.bench` records its
-verdicts; user entries win).  A shape the kernel cannot run (alignment,
-dtype, shared memory) is never chosen, and no heuristic picks the kernel on
-a (GPU kind, group size) where it has never been measured: there it has not
-been checked against the unfused program.
+Order: explicit `OverlapConfig.kernel` (or impl='triton') -> measured verdict
+for this exact shape -> the cost model's choice (tuning/model.py) -> the
+unfused program.  Measured verdicts are the JSON shipped in tuning/data/
+plus the user's cache directory (`user_cache_dir()`, where
+`python -m jax_autooverlap.bench ag|rs` and first-call autotuning record
+them; user entries win).  The cost model covers any shape on a (GPU kind,
+group size, dtype) it has parameters for (shipped, or from
+`python -m jax_autooverlap.bench calibrate`); elsewhere the kernel has never
+been checked against the unfused program and is not chosen.  A shape the
+kernel cannot run (alignment, dtype, shared memory) is never chosen.
+
+Every verdict says where it came from (`source`) and, where the model was
+consulted, what it predicts; ao.explain shows both.
 """
 from __future__ import annotations
 
@@ -15,20 +21,33 @@ import functools
 import json
 import os
 import pathlib
+import re
+import tempfile
 
 import numpy as np
 
+from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
 _DATA = pathlib.Path(__file__).parent / "data"
 SMEM_LIMIT = 227 * 1024
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+# The configs the model ranks (per tile shape it has a cost for): the
+# benchmark's sweep plus 2 and 16 chunks, the default config first (the
+# model's ties go to the earlier config).
+CHUNKS = (4, 8, 16, 2)
+MOVERS = (8, 16, 32)
+AUTOTUNE_CANDIDATES = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   kernel: KernelConfig | None  # None: run the unfused program
   reason: str                  # why (shown by ao.explain)
+  source: str = ""             # explicit | measured | autotuned | model | "" (no choice made)
+  key: str | None = None       # this call's tuning-cache key
+  candidates: tuple = ()       # the model's fastest configs (what autotuning times)
+  predicted: tuple | None = None  # (fused ms of the model's best config, unfused ms)
 
 
 def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dtype) -> str:
@@ -43,22 +62,45 @@ def user_cache_dir() -> pathlib.Path:
 
 @functools.cache
 def _cache() -> dict:
-  """Shipped entries, then the user's (read once per process)."""
+  """Shipped verdicts, then the user's (read once per process; `record` adds to it)."""
   entries = {}
-  for path in sorted(_DATA.glob("*.json")) + sorted(user_cache_dir().glob("tuning-*.json")):
+  shipped = sorted(_DATA.glob("ag_*.json")) + sorted(_DATA.glob("rs_*.json"))
+  for path in shipped + sorted(user_cache_dir().glob("tuning-*.json")):
     entries.update(json.loads(path.read_text()))
   return entries
 
 
-def _measured_here(op: str, device_kind: str, world: int) -> bool:
-  prefix = f"{op}|{device_kind}|w{world}|"
-  return any(key.startswith(prefix) for key in _cache())
+def write_json_atomic(path: pathlib.Path, data) -> None:
+  """Readers (other processes too) see the old file or the new one, never a partial one.
+
+  Lists of numbers are written on one line (the model's measured points).
+  """
+  text = json.dumps(data, indent=1, sort_keys=True)
+  text = re.sub(r"\[\s+([-0-9.e,\s]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]",
+                text)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    f.write(text + "\n")
+  os.replace(tmp, path)
+
+
+def record(op: str, key: str, entry: dict) -> pathlib.Path:
+  """Add a measured verdict to the user's cache (file and this process's view of it)."""
+  path = user_cache_dir() / f"tuning-{op}.json"
+  cache = json.loads(path.read_text()) if path.exists() else {}
+  cache[key] = entry
+  write_json_atomic(path, cache)
+  _cache()[key] = entry
+  return path
 
 
 def default_kernel(dtype) -> KernelConfig:
+  """The config where no measurement names one.  Its engine is $JAX_AUTOOVERLAP_ENGINE if set
+  (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl"."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
-  return KernelConfig()
+  return KernelConfig(engine=os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl"))
 
 
 def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig) -> str | None:
@@ -70,55 +112,100 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
     return f"K={k} and N={n} rows must be 16-byte aligned for TMA"
   if k % 64:
     return f"K={k} must be a multiple of 64"
+  if cfg.engine == "gluon" and dt.itemsize != 2:
+    return f"the gluon engine takes 16-bit operands (wgmma), not {dt.name}"
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
     return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
   return None
 
 
-def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: int, n: int,
-              dtype, out_dtype) -> Verdict:
-  """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n].
+def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[KernelConfig]:
+  """Every config the model can rank: its tile shapes x chunk counts (x movers for AG)."""
+  base = default_kernel(dtype)
+  out = []
+  for tile in sorted(model.tiles):
+    bm, bn, bk = map(int, tile.split("x"))
+    for chunks in CHUNKS:
+      for movers in (MOVERS if op == "ag" else (base.num_comm,)):
+        out.append(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, chunks=chunks,
+                                       num_comm=movers))
+  return out
 
-  Only measured wins (or an explicit request) select this kernel: there is no
-  heuristic for it yet.
-  """
+
+def _describe(cfg: KernelConfig, op: str) -> str:
+  movers = f" movers={cfg.num_comm}" if op == "ag" else ""
+  return f"chunks={cfg.chunks}{movers} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+
+
+def measured_verdict(hit: dict, key: str) -> Verdict:
+  """The verdict of a tuning-cache entry (benchmark or autotuning)."""
+  source = "autotuned" if hit.get("source") == "autotune" else "measured"
+  times = ""
+  if hit.get("ours_ms") is not None and hit.get("unfused_ms") is not None:
+    times = f"{hit['ours_ms']:.3f} vs unfused {hit['unfused_ms']:.3f} ms"
+  if hit.get("impl") == "triton":
+    return Verdict(KernelConfig(**hit["kernel"]),
+                   f"{source}: fused kernel faster" + (f" ({times})" if times else ""), source, key)
+  detail = "; ".join(x for x in (hit.get("note", ""), times.replace(" vs ", " fused vs ")) if x)
+  return Verdict(None, f"{source}: unfused faster" + (f" ({detail})" if detail else ""), source,
+                 key)
+
+
+def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtype,
+                   key: str, cfg_rows: int) -> Verdict:
+  """The model's choice: its fastest runnable config if that beats its unfused prediction."""
+  out_item = np.dtype(out_dtype).itemsize
+  configs = [c for c in candidate_configs(op, model, dtype)
+             if unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None]
+  ranked = model.rank(op, rows, k, cols, configs, out_item)
+  unfused = model.unfused_ms(op, rows, k, cols, out_item)
+  if not ranked:
+    return Verdict(None, f"model: no kernel config it covers fits this shape ({model.source})",
+                   "model", key)
+  best_ms, best = ranked[0]
+  candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES])
+  if best_ms < unfused:
+    return Verdict(best, f"model: fused {best_ms:.3f} ms vs unfused {unfused:.3f} ms predicted, "
+                   f"{_describe(best, op)} ({model.source})", "model", key, candidates,
+                   (best_ms, unfused))
+  return Verdict(None, f"model: unfused {unfused:.3f} ms vs fused {best_ms:.3f} ms predicted "
+                 f"({model.source})", "model", key, candidates, (best_ms, unfused))
+
+
+def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: str,
+            sizes: tuple[int, int, int], shard_rows: int, dtype, out_dtype,
+            why_not: str | None) -> Verdict:
   explicit = config.kernel
   cfg = explicit or default_kernel(dtype)
-  why_not = unsupported(m // world, k, n, dtype, out_dtype, cfg)
-  if why_not is None and m % world:
-    why_not = f"M={m} is not divisible by the axis size {world}"
+  why_not = why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
   if why_not:
     return Verdict(None, why_not)
   if explicit is not None or config.impl == "triton":
-    return Verdict(cfg, "explicit config" if explicit else "impl='triton'")
-  hit = _cache().get(cache_key("rs", device_kind, world, m, k * world, n, dtype))
-  if hit is not None and hit.get("impl") == "triton":
-    return Verdict(KernelConfig(**hit["kernel"]), "measured: fused kernel faster")
+    return Verdict(cfg, "explicit config" if explicit else "impl='triton'", "explicit", key)
+  hit = _cache().get(key)
   if hit is not None:
-    return Verdict(None, "measured: unfused faster")
-  return Verdict(None, "GEMM+RS kernel not measured for this shape")
+    return measured_verdict(hit, key)
+  model = cost_model.load(device_kind, world, dtype)
+  if model is None:
+    return Verdict(None, f"kernel never measured on {world}x {device_kind} for "
+                   f"{np.dtype(dtype).name}: run `python -m jax_autooverlap.bench calibrate` "
+                   f"(cost model) or `python -m jax_autooverlap.bench {op}` (verdicts for "
+                   "its shapes) there once", "", key)
+  return _model_verdict(op, model, *sizes, dtype, out_dtype, key, shard_rows)
+
+
+def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: int, n: int,
+              dtype, out_dtype) -> Verdict:
+  """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n]."""
+  key = cache_key("rs", device_kind, world, m, k * world, n, dtype)
+  why_not = f"M={m} is not divisible by the axis size {world}" if m % world else None
+  return _choose("rs", config, device_kind, world, key, (m, k, n), m // world, dtype, out_dtype,
+                 why_not)
 
 
 def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int, k: int, n: int,
               dtype, out_dtype) -> Verdict:
   """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]."""
-  explicit = config.kernel
-  cfg = explicit or default_kernel(dtype)
-  why_not = unsupported(m_shard, k, n, dtype, out_dtype, cfg)
-  if why_not:
-    return Verdict(None, why_not)
-  if explicit is not None or config.impl == "triton":
-    return Verdict(cfg, "explicit config" if explicit else "impl='triton'")
-  hit = _cache().get(cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype))
-  if hit is not None:
-    if hit.get("impl") != "triton":
-      return Verdict(None, f"measured: unfused faster ({hit.get('note', '')})".rstrip(" ()"))
-    return Verdict(KernelConfig(**hit["kernel"]), "measured: fused kernel faster")
-  if not _measured_here("ag", device_kind, world):
-    return Verdict(None, f"kernel never measured on {world}x {device_kind}: run "
-                   "`python -m jax_autooverlap.bench ag` there once to check and time it")
-  # Heuristic between measured shapes: overlap pays when the GEMM is large
-  # enough to hide the transfer and to amortise the kernel's fixed cost.
-  if m_shard * world < 4096 or k < 2048 or n < 1024:
-    return Verdict(None, "heuristic: too small to gain from overlap")
-  return Verdict(cfg, "heuristic: large GEMM")
+  key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype)
+  return _choose("ag", config, device_kind, world, key, (m_shard, k, n), m_shard, dtype,
+                 out_dtype, None)

@@ -1,0 +1,97 @@
+"""Launches of the Gluon engine's kernels (KernelConfig.engine == "gluon", sm_90).
+
+Same arguments and outputs as the `tl` launchers in backends/triton.py, which
+hand over to these; the kernels keep the same workspace layout and protocol.
+The grid and the per-call constants follow the `tl` launchers; what differs:
+- the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
+  producer warp group (jax-triton launches all of them: _compat.py, fix 3);
+- the operand ring has kernel.num_stages stages, the consumers' tile is
+  block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jax_autooverlap._compat import import_jax_triton, scratch_out_type
+from jax_autooverlap.runtime import workspace
+from jax_autooverlap.tuning.config import KernelConfig
+
+
+def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
+                   return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
+                   compute_capability: int | None = None, poison: bool = False):
+  """backends/triton.py's launch_ag_gemm, on the Gluon engine."""
+  from jax_autooverlap.backends.triton import _tiles_per_chunk
+  from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
+  jt = import_jax_triton()
+  m, k = a.shape
+  n = b.shape[1]
+  tm = math.ceil(m / kernel.block_m)
+  tn = math.ceil(n / kernel.block_n)
+  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
+  num_ctas = min(num_sms, num_comm + world * tm * tn)
+  gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
+  out, gathered, _ = jt.triton_call(
+      a, b, table_row, rank, kernel=gluon_ag_gemm_kernel, name="ao_ag_gemm_gluon",
+      zeroed_outputs=(0, 1) if poison else (),
+      out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
+                scratch_out_type(num_ctas)),
+      grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
+      M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
+      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
+      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), NUM_COMM=num_comm, NUM_CTAS=num_ctas,
+      COPY_COLS=128 if k % 128 == 0 else 64, FLAGS_OFF=workspace.FLAGS_OFFSET,
+      BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
+      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+      RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id,
+      STAGES=kernel.num_stages)
+  return (out, gathered) if return_gathered else out
+
+
+def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
+                compute_capability: int | None = None):
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
+  from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
+  jt = import_jax_triton()
+  m, k = a.shape
+  n = b.shape[1]
+  tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
+  num_ctas = min(num_sms, tiles)
+  out, _ = jt.triton_call(
+      a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
+      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+      grid=(num_ctas,),
+      num_warps=kernel.num_warps, compute_capability=compute_capability,
+      M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
+  return out
+
+
+def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
+                   timeout_s: float, num_sms: int, op_id: int = 0,
+                   compute_capability: int | None = None, poison: bool = False):
+  """backends/triton.py's launch_gemm_rs, on the Gluon engine."""
+  from jax_autooverlap.backends.triton import _tiles_per_chunk
+  from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
+  jt = import_jax_triton()
+  m, k = a.shape
+  n = b.shape[1]
+  m_out = m // world
+  tm = math.ceil(m_out / kernel.block_m)
+  tn = math.ceil(n / kernel.block_n)
+  num_ctas = min(num_sms, world * tm * tn)
+  out, _ = jt.triton_call(
+      a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
+      zeroed_outputs=(0,) if poison else (),
+      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
+      grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
+      M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
+      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
+      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), NUM_CTAS=num_ctas,
+      FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
+      MAX_CHUNKS=workspace.MAX_CHUNKS,
+      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id, STAGES=kernel.num_stages)
+  return out

@@ -1,0 +1,178 @@
+"""Warp-specialised GEMM engine in Gluon (sm_90): the building blocks of both fused Gluon kernels.
+
+One persistent CTA per SM runs two partitions (`gl.warp_specialize`):
+- the producer, one warp: claims output tiles from the kernel's per-call
+  tile counter, publishes each tile number in a two-slot tile ring (shared
+  memory + mbarriers), runs the kernel's hook for the tile (ag: wait for the
+  rows' chunk), then TMA-loads the tile's A and B k-blocks into a STAGES-deep
+  ring of shared-memory buffers, each guarded by a ready/empty mbarrier pair;
+- the consumers, the kernel's default NUM_WARPS = 8 warps (two warpgroups,
+  64 rows of the 128-row tile each): take the next tile number from the tile
+  ring, run async `warpgroup_mma` over the k-blocks with one MMA group in
+  flight (a stage is handed back to the producer once the MMA after it has
+  been issued, i.e. once the MMA reading it has completed), then run the
+  kernel's epilogue, which writes the tile through one shared-memory buffer
+  with TMA stores whose wait is deferred to the next tile's epilogue.
+
+Invariants:
+- Producer and consumers walk the same sequence of (tile, k-block) stages, so
+  stage s = it % STAGES and its phase (it // STAGES) & 1 agree on both sides.
+- mbarrier phases: a barrier completes phase 0 first; a fresh barrier counts
+  as having completed the phase before it, so the producer's first wait on an
+  empty stage (phase 1) passes at once.
+- The epilogue buffer is rewritten only after `store_wait(0)` of the
+  previous tile's TMA store (its shared-memory reads are done).
+- Every shared-memory write by the generic proxy that the async proxy (TMA,
+  wgmma) reads afterwards is followed by `fence_async_shared()`.
+
+Gluon renamed its TMA copies between triton 3.6 (async_copy_global_to_shared,
+async_copy_shared_to_global) and 3.7+ (async_load, async_store); `tma_load`
+and `tma_store` below are whichever this triton has.
+"""
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+NUM_WARPS = gl.constexpr(8)       # consumers: two warpgroups (the kernel's num_warps)
+PRODUCER_WARPS = gl.constexpr(1)
+# The producer holds scalars (tile decode, 64-bit addresses, the bounded wait); setmaxnreg
+# gives the rest of the register file to the consumers (224 per thread with 8 + 4 warps).
+PRODUCER_REGS = gl.constexpr(56)
+TILE_RING = gl.constexpr(2)       # tile numbers in flight between producer and consumers
+
+
+@gluon.constexpr_function
+def mma_layout(block_n, num_warps, dtype):
+  """Accumulator layout: warps stacked along M (16 rows each), so each warpgroup issues wgmma
+  m64 x n{block_n} x k(256 / bits of the operand dtype: 16 for bf16/f16, 8 for tf32)."""
+  return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                   instr_shape=[16, block_n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def shared_layout(block_shape, dtype):
+  return gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
+
+
+@gluon.constexpr_function
+def row_layout(num_warps):
+  """A 1-element-per-thread layout for small int32 vectors in shared memory (the tile ring)."""
+  return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+
+@gluon.jit
+def make_desc(base, shape, strides, block_shape: gl.constexpr):
+  """Device-side TMA descriptor with the default NVMMA swizzle for its block."""
+  return tma.make_tensor_descriptor(base, shape=shape, strides=strides, block_shape=block_shape,
+                                    layout=shared_layout(block_shape, base.dtype.element_ty))
+
+
+@gluon.jit
+def alloc_pipeline(a_desc, b_desc, STAGES: gl.constexpr):
+  """Shared-memory operand ring and its ready/empty mbarriers, plus the tile ring."""
+  a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+  b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+  ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+  empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+  for s in gl.static_range(STAGES):
+    mbarrier.init(ready.index(s), count=1)
+    mbarrier.init(empty.index(s), count=1)
+  tiles = gl.allocate_shared_memory(gl.int32, [TILE_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+  tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
+  tile_free = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
+  for s in gl.static_range(TILE_RING):
+    mbarrier.init(tile_ready.index(s), count=1)
+    mbarrier.init(tile_free.index(s), count=1)
+  return a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free
+
+
+@gluon.jit
+def publish_tile(tiles, tile_ready, tile_free, j, t):
+  """Producer: hand tile number t (the j-th this CTA claimed) to the consumers."""
+  slot = j % TILE_RING
+  mbarrier.wait(tile_free.index(slot), ((j // TILE_RING) & 1) ^ 1)
+  tiles.index(slot).store(gl.full([1], t, gl.int32, row_layout(PRODUCER_WARPS)))
+  tl.debug_barrier()  # whichever lane stored, before the (single-thread) release by arrive
+  mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def next_tile(tiles, tile_ready, tile_free, j):
+  """Consumers: the j-th tile number the producer published (>= the call's tile count: done)."""
+  slot = j % TILE_RING
+  mbarrier.wait(tile_ready.index(slot), (j // TILE_RING) & 1)
+  t = gl.max(tiles.index(slot).load(row_layout(NUM_WARPS)), axis=0)
+  # every consumer warp has read the slot before it is handed back
+  tl.debug_barrier()
+  mbarrier.arrive(tile_free.index(slot), count=1)
+  return t
+
+
+@gluon.jit
+def load_tile(a_desc, row0, b_desc, col0, K: gl.constexpr, a_bufs, b_bufs, ready, empty, it):
+  """Producer: TMA-load the k-blocks of one tile into the operand ring from stage counter it on."""
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+  nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+  for k in range(0, K, BLOCK_K):
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    tma_load(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
+    tma_load(b_desc, [k, col0], ready.index(s), b_bufs.index(s))
+    it += 1
+  return it
+
+
+@gluon.jit
+def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+  """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
+
+  One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
+  at most one outstanding group means k-block i-1's MMA is done, so its stage
+  goes back to the producer.  The last stage goes back after the final wait.
+  """
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
+  prev = it
+  for k in range(0, K, BLOCK_K):
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+    # both warpgroups are past k-block it-1 before its stage is handed back
+    tl.debug_barrier()
+    mbarrier.arrive(empty.index(prev % STAGES), count=1, pred=it > prev)
+    prev = it
+    it += 1
+  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+  tl.debug_barrier()
+  mbarrier.arrive(empty.index(prev % STAGES), count=1, pred=it > prev)
+  return acc, it
+
+
+@gluon.jit
+def stage_out(acc, c_smem):
+  """Epilogue: write a finished tile (already in the output dtype) into the epilogue buffer.
+
+  Waits first for the previous tile's TMA store to have read the buffer
+  (deferred from that tile's epilogue), and fences before the TMA store
+  that reads it next.
+  """
+  tma.store_wait(0)
+  tl.debug_barrier()
+  c_smem.store(acc)
+  fence_async_shared()
+  tl.debug_barrier()
+
+
+@gluon.jit
+def finish_partition():
+  """Consumers at the end of the tile loop: no TMA store may still read shared memory."""
+  tma.store_wait(0)

@@ -1,0 +1,68 @@
+"""Plain persistent GEMM on the Gluon engine: c[M, N] = a[M, K] @ b[K, N].
+
+The fused kernels' compute path without communication: the engine's
+reference point against cuBLAS (loopback and GPU tests) and its compile
+check.  Static persistent schedule (tile t on CTA t % NUM_CTAS), GROUP_M
+tile rows at a time over all tile columns (L2 reuse of b).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels.gemm_rs import tile_of
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+              K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_CTAS: gl.constexpr):
+  BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  it = 0
+  j = 0
+  for t in range(gl.program_id(0), TM * TN, NUM_CTAS):
+    eng.publish_tile(tiles, tile_ready, tile_free, j, t)
+    j += 1
+    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
+    it = eng.load_tile(a_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready, empty, it)
+  eng.publish_tile(tiles, tile_ready, tile_free, j, TM * TN)  # no more tiles
+
+
+@gluon.jit
+def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+              K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
+              GROUP_M: gl.constexpr):
+  BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+  it = 0
+  j = 0
+  t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  while t < TM * TN:
+    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
+    eng.stage_out(acc.to(c_desc.dtype), c_smem)
+    eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    j += 1
+    t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  eng.finish_partition()
+
+
+@lean_launch
+@gluon.jit
+def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr, M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_CTAS: gl.constexpr):
+  a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+  b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+  a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc, STAGES)
+  c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+  TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+  TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  gl.warp_specialize([
+      (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                   K, BLOCK_K, TM, TN, GROUP_M)),
+      (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                   K, TM, TN, GROUP_M, NUM_CTAS)),
+  ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])

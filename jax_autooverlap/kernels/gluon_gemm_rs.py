@@ -1,0 +1,179 @@
+"""Fused GEMM + reduce-scatter on the warp-specialised Gluon engine (sm_90): the `gluon` engine
+of kernels/gemm_rs.py, with the same workspace protocol and tile order.
+
+    out[i, :] = sum over ranks r of (a_r @ b_r)[rank*m + i, :],  m = M / world
+
+The engine's producer warp claims tiles from the per-call counter in owner
+order rank+1, rank+2, ..., rank (remote owners first, this GPU's own rows
+last; `tile_of`), and TMA-loads their k-blocks; it never waits on a peer.
+The consumer warpgroups run the main loop and then, per tile:
+- remote owner: the tile (output dtype) goes through the epilogue buffer and
+  one TMA store into the owner's slot for this rank (a descriptor per peer,
+  made once per CTA).  Its release is deferred to the next tile's epilogue,
+  one main loop later: then every thread waits for its TMA stores to be
+  written (not only read from shared memory), fences, and after a CTA barrier
+  one thread adds 1 to the owner's arrival counter of the chunk (release,
+  system scope; gluon_sync.signal_after_tma_stores says why that covers every
+  issuing thread).  Pending releases are issued before any wait, so two GPUs
+  never wait on each other's held signals.
+- own rows: wait (acquire, bounded) for the chunk from every peer, then sum
+  this GPU's partial and the peers' partials (TMA-loaded into the epilogue
+  buffer, one at a time) in a fixed order: own partial first, then the peers
+  in rank order.  The order is fixed per owner, so results are bit-identical
+  run to run whatever the arrival order (it differs from the `tl` kernel's
+  0..world-1 order, which would keep a second fp32 tile live in registers).
+Every own tile is handed out after every remote tile on every GPU, so the
+tiles it waits for are already claimed on the peers (deadlock-free, as the
+`tl` kernel); no CTA waits for a CTA of its own GPU.
+"""
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels.gemm_rs import tile_of
+from jax_autooverlap.kernels.gluon_sync import finish_call, signal_after_tma_stores
+from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+              tile_counter, rank, M_OUT: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr):
+  BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  TOTAL: gl.constexpr = WORLD * TM * TN
+  it = 0
+  j = 0
+  t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  while t < TOTAL:
+    eng.publish_tile(tiles, tile_ready, tile_free, j, t)
+    j += 1
+    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    owner = (rank + 1 + step) % WORLD
+    # A ragged last tile row of an owner reads rows of the next owner: they only
+    # feed output rows >= M_OUT, which no descriptor stores.
+    it = eng.load_tile(a_desc, owner * M_OUT + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
+                       b_bufs, ready, empty, it)
+    t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
+
+
+@gluon.jit
+def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
+              tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K: gl.constexpr,
+              BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
+              TN: gl.constexpr, GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+              FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
+              OP_ID: gl.constexpr):
+  BLOCK_M: gl.constexpr = o_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
+  out_dtype: gl.constexpr = o_desc.dtype
+  it = 0
+  j = 0
+  loads = 0  # partial tiles TMA-loaded so far: phase of part_bar
+  pending = 0  # 1: the tile pushed last is not yet signalled
+  pending_flag = my_flags
+  t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  while t < WORLD * TM * TN:
+    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+    if pending != 0:
+      signal_after_tma_stores(pending_flag)
+      pending = 0
+    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    owner = (rank + 1 + step) % WORLD
+    c = tm // TILES_PER_CHUNK
+    if owner != rank:
+      eng.stage_out(acc.to(out_dtype), c_smem)
+      for r in gl.static_range(WORLD):
+        if r == owner:
+          eng.tma_store(peer_descs[r], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+      pending_flag = (table_address(table_ptr, owner) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
+          + (parity * WORLD + rank) * MAX_CHUNKS + c
+      pending = 1
+    else:
+      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+      for r in gl.static_range(WORLD):
+        if r != rank:
+          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+                        TIMEOUT_NS)
+          free_epilogue_buffer()
+          mbarrier.expect(part_bar, part_desc.block_type.nbytes)
+          eng.tma_load(part_desc, [r * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
+          mbarrier.wait(part_bar, loads & 1)
+          loads += 1
+          acc += c_smem.load(acc.type.layout).to(gl.float32)
+          tl.debug_barrier()  # every warp has read the partial before the buffer is reused
+      eng.stage_out(acc.to(out_dtype), c_smem)
+      eng.tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    j += 1
+    t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  if pending != 0:
+    signal_after_tma_stores(pending_flag)
+  eng.finish_partition()
+
+
+@gluon.jit
+def free_epilogue_buffer():
+  """Before a TMA load into the epilogue buffer: the last TMA store has read it, and every
+  thread's earlier generic-proxy reads of it are ordered before the async-proxy write."""
+  eng.tma.store_wait(0)
+  fence_async_shared()
+  tl.debug_barrier()
+
+
+@lean_launch
+@gluon.jit
+def gluon_gemm_rs_kernel(
+    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
+    out_ptr, scratch_ptr,               # outputs: [M / WORLD, N]; scratch (_compat.lean_launch)
+    M: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
+    BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
+    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr,
+):
+  out_dtype: gl.constexpr = out_ptr.dtype.element_ty
+  rank = gl.load(rank_ptr)
+  ws = table_address(table_ptr, rank)
+  err_addr = ws + ERROR_SLOT_OFFSET  # holds this process's error-record address
+  header = ws.to(gl.pointer_type(gl.int32))
+  epoch = gl.load(header)
+  parity = epoch % 2
+  M_OUT: gl.constexpr = M // WORLD
+  TM: gl.constexpr = (M_OUT + BLOCK_M - 1) // BLOCK_M
+  TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  SLOT: gl.constexpr = M_OUT * N
+  my_flags = (ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) + parity * WORLD * MAX_CHUNKS
+  # 64-bit element offsets: world * slot elements can exceed 2**31.
+  my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_dtype)) + parity.to(gl.int64) * WORLD * SLOT
+  # Descriptors are made once per CTA, one per peer for the pushes: peer r's slot for this
+  # rank (the one for r == rank is never used).
+  a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
+  b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
+  o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
+  peer_descs = ()
+  for r in gl.static_range(WORLD):
+    slot = (table_address(table_ptr, r) + BUF_OFF).to(gl.pointer_type(out_dtype)) \
+        + (parity * WORLD + rank).to(gl.int64) * SLOT
+    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
+  a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
+                                                                                  STAGES)
+  c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
+  part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+  mbarrier.init(part_bar, count=1)
+  tile_counter = header + 2 + parity
+  gl.warp_specialize([
+      (_consumer, (peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
+                   tiles, tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K,
+                   BLOCK_K, M_OUT, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, MAX_CHUNKS,
+                   TIMEOUT_NS, OP_ID)),
+      (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                   tile_counter, rank, M_OUT, K, WORLD, TM, TN, GROUP_M)),
+  ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
+
+  finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
+              eng.NUM_WARPS)

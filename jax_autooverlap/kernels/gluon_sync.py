@@ -1,0 +1,53 @@
+"""The cross-GPU protocol of kernels/sync.py, for Gluon kernels.
+
+Gluon kernels call the scalar primitives of kernels/sync.py directly (they
+are plain @triton.jit scalar code); what needs tensors, which in Gluon carry
+an explicit layout, or TMA-store completion, is here.
+"""
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from jax_autooverlap.kernels.sync import signal_add
+
+
+@gluon.jit
+def full_write_wait():
+  """Wait until every TMA store this thread issued has been written to global memory (not only
+  read out of shared memory), then order those async-proxy writes before this thread's later
+  generic-proxy operations.  Every thread runs it, so it covers whichever threads issued.
+  (triton 3.6's tma.store_wait only has the shared-memory-read variant.)"""
+  tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+                            "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def signal_after_tma_stores(flag):
+  """Publish the TMA stores issued so far, then add 1 to a (peer's) counter (release, system scope).
+
+  The engine's TMA stores are issued by one elected thread in each of several
+  warps (one message per 64-column box).  Every thread waits for its own
+  bulk groups to be written (full_write_wait: a no-op where it issued none),
+  then the CTA barrier in signal_add orders all of those completions before
+  the single thread that performs the release; release is cumulative, so the
+  peer that acquires the counter sees every byte of the tile.
+  """
+  full_write_wait()
+  signal_add(flag, 1)
+
+
+@gluon.jit
+def finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS: gl.constexpr,
+                NUM_FLAGS: gl.constexpr, FLAG_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
+  """kernels/sync.py's finish_call: the last CTA out zeroes this call's counters and advances
+  the epoch (every CTA of this call has finished reading them; peers write this parity slot
+  again only after this GPU has run its next call)."""
+  tl.debug_barrier()
+  done = gl.atomic_add(header + 1, 1, sem="acq_rel", scope="gpu")
+  if done == NUM_CTAS - 1:
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    offs = gl.arange(0, FLAG_BLOCK, layout=layout)
+    gl.store(my_flags + offs, gl.zeros([FLAG_BLOCK], gl.int32, layout), mask=offs < NUM_FLAGS)
+    gl.store(tile_counter, 0)
+    gl.store(header + 1, 0)
+    gl.store(header, epoch + 1)

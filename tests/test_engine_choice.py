@@ -1,0 +1,104 @@
+"""Kernel engines ("tl" | "gluon") from config to launch, on CPU: validation, the tuner's
+measured pick, `explain`, and the launcher hand-over (no GPU needed)."""
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_autooverlap as ao
+from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning.config import KernelConfig
+from fake_cuda import fake_gpu_mesh
+
+H200 = "NVIDIA H200"
+bf16 = jnp.bfloat16
+
+
+def test_engine_is_validated_with_what_the_gluon_kernels_need():
+  assert KernelConfig().engine == "tl"
+  assert KernelConfig(engine="gluon").engine == "gluon"
+  with pytest.raises(ValueError, match="engine='cuda' is not one of"):
+    KernelConfig(engine="cuda")
+  with pytest.raises(ValueError, match="block_m=64 must be 128 for engine='gluon'"):
+    KernelConfig(engine="gluon", block_m=64)
+  with pytest.raises(ValueError, match="num_warps=4 must be 8 for engine='gluon'"):
+    KernelConfig(engine="gluon", num_warps=4)
+  with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
+    KernelConfig(engine="gluon", num_stages=1)
+  with pytest.raises(ValueError, match="block_n=512"):
+    KernelConfig(engine="gluon", block_n=512)
+  KernelConfig(block_m=64, num_warps=4, num_stages=1)  # the tl engine takes these
+
+
+def test_default_engine_follows_the_environment(monkeypatch):
+  monkeypatch.delenv("JAX_AUTOOVERLAP_ENGINE", raising=False)
+  assert select.default_kernel(bf16).engine == "tl"
+  monkeypatch.setenv("JAX_AUTOOVERLAP_ENGINE", "gluon")
+  assert select.default_kernel(bf16) == KernelConfig(engine="gluon")
+  assert select.default_kernel(np.float32).engine == "tl"  # no 32-bit wgmma path in the engine
+  monkeypatch.setenv("JAX_AUTOOVERLAP_ENGINE", "nope")
+  with pytest.raises(ValueError, match="engine='nope'"):
+    select.default_kernel(bf16)
+
+
+def test_gluon_engine_needs_16_bit_operands():
+  cfg = KernelConfig(engine="gluon", block_n=128, block_k=32)
+  why = select.unsupported(4096, 8192, 4096, np.float32, np.float32, cfg)
+  assert why is not None and "16-bit" in why and "float32" in why
+  assert select.unsupported(4096, 8192, 4096, bf16, bf16, KernelConfig(engine="gluon")) is None
+
+
+
+@pytest.mark.usefixtures("stand_in_cuda_driver")
+def test_tuner_returns_the_measured_engine_and_explain_names_it(monkeypatch):
+  from jax_autooverlap.ops.planning import plan
+  fast = {"block_k": 64, "block_m": 128, "block_n": 256, "chunks": 4, "group_m": 8,
+          "num_comm": 16, "num_stages": 3, "num_warps": 8}
+  cache = {f"ag|{H200}|w2|4096x8192x8192|bfloat16": {"impl": "triton",
+                                                      "kernel": {**fast, "engine": "gluon"}},
+           f"rs|{H200}|w2|4096x8192x8192|bfloat16": {"impl": "triton", "kernel": fast}}
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setattr(select, "_cache", lambda: cache)
+  mesh = fake_gpu_mesh()
+  impl, gpu, why = plan("ag_rows", ao.OverlapConfig(), 2, (1, 2048, 8192, 4096), bf16, bf16,
+                        mesh)
+  assert impl == "triton" and gpu.kernel.engine == "gluon" and why.endswith("; gluon engine)")
+  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(), 2, (1, 4096, 4096, 8192), bf16, bf16,
+                        mesh)
+  assert impl == "triton" and gpu.kernel.engine == "tl" and why.endswith("; tl engine)")
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_launchers_hand_gluon_configs_to_the_gluon_backend(monkeypatch, op):
+  from jax_autooverlap.backends import gluon
+  from jax_autooverlap.backends import triton as tb
+  seen = []
+  name = "launch_ag_gemm" if op == "ag" else "launch_gemm_rs"
+  monkeypatch.setattr(gluon, name, lambda *a, **kw: seen.append((a, kw)) or "gluon-out")
+  kw = dict(world=2, kernel=KernelConfig(engine="gluon"), out_dtype=bf16, timeout_s=1.0,
+            num_sms=132, op_id=3, compute_capability=90)
+  if op == "ag":
+    kw["return_gathered"] = True
+  args = ("a", "b", "table", "rank")
+  assert getattr(tb, name)(*args, **kw) == "gluon-out"
+  assert seen == [(args, {**kw, "poison": False})]
+
+
+def test_bench_sweeps_both_engines(monkeypatch):
+  """The two-GPU benchmark's sweep (its verdicts feed the tuner) holds every engine."""
+  import jax_autooverlap.bench.__main__ as bench
+  swept = {}
+
+  def fake_ag(m, k, n, dtype, iters, sweep, rivals=True):
+    swept["ag"] = sweep
+    raise SystemExit(0)
+  monkeypatch.setattr(bench, "bench_ag_shape", fake_ag)
+  monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(platform="gpu")] * 2)
+  monkeypatch.setattr(bench, "_gpu_name", lambda: "NVIDIA-H200")
+  monkeypatch.setattr(bench, "_versions", lambda: {})
+  with pytest.raises(SystemExit):
+    bench.main(["ag", "--no-rivals", "--shapes", "4096x8192x8192"])
+  engines = [c.engine for c in swept["ag"]]
+  assert set(engines) == {"tl", "gluon"} and engines.count("gluon") == engines.count("tl")

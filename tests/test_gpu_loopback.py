@@ -1,0 +1,53 @@
+"""Fused kernels in loopback on ONE GPU (marked gpu; skipped without an NVIDIA GPU).
+
+Rank 0 of a group of two whose peer is a second buffer on the same GPU
+(bench/loopback.py): the output must match the unfused computation, what
+rank 0 pushed into the peer's buffer must match what the peer needs, and a
+second call (other parity slot) must give bit-identical results.  Every
+engine the backend has, on shapes with full and ragged tiles.
+"""
+import jax
+import pytest
+
+from jax_autooverlap.bench import loopback as lb
+
+pytestmark = pytest.mark.gpu
+
+GPUS = [d for d in jax.devices() if d.platform == "gpu"]
+if not GPUS:
+  pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
+
+# the Gluon engine is for sm_90 (wgmma, setmaxnreg)
+ENGINES = ["tl"] + (["gluon"] if str(getattr(GPUS[0], "compute_capability", "")) == "9.0" else [])
+SHAPES = {"ag": [(512, 1024, 1024), (600, 1024, 1280), (4096, 8192, 8192)],
+          "rs": [(512, 1024, 1024), (1200, 1024, 1280), (4096, 8192, 8192)]}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("op_shape", [(op, s) for op in SHAPES for s in SHAPES[op]],
+                         ids=lambda x: f"{x[0]}-{'x'.join(map(str, x[1]))}")
+def test_loopback_matches_unfused(engine, op_shape):
+  from jax_autooverlap.runtime import cuda
+  op, (m, k, n) = op_shape
+  case = lb.Case(op, m, k, n)
+  loop = lb.Loopback(case, GPUS[0], seed=m + k + n)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
+  program = lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id))
+  res = loop.check(program)
+  assert res["rel_err"] <= 2e-2, res
+  assert res["push_rel_err"] <= (0.0 if op == "ag" else 1e-2), res  # ag pushes a copy of a
+  assert res["bit_identical_repeat"], res
+
+
+def test_loopback_benchmark_writes_records(tmp_path):
+  rc = lb.main(["rs", "--loopback", "--shapes", "1024x2048x1024", "--rounds", "2", "--calls", "3",
+                "--out", str(tmp_path)])
+  assert rc == 0
+  (path,) = tmp_path.glob("*-rs-loopback.json")
+  import json
+  records = json.loads(path.read_text())
+  impls = {r["impl"] for r in records}
+  assert {"gemm_alone", "ours", "ours_tl"} <= impls
+  for r in records:
+    assert r["mode"] == "loopback" and r["world_size"] == 2 and r["median_ms"] > 0
+    assert (r["m"], r["k"], r["n"]) == (1024, 2048, 1024)
