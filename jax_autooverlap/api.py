@@ -55,6 +55,17 @@ def _rewrite_and_run(fun, config, sink, args, kwargs):
   return jax.tree.unflatten(out_tree[0], outs)
 
 
+def _check_config(config) -> OverlapConfig:
+  if config is None:
+    return OverlapConfig()
+  if isinstance(config, OverlapConfig):
+    return config
+  hint = (f"ao.OverlapConfig(**{config!r})" if isinstance(config, dict)
+          else "ao.OverlapConfig(impl=..., chunks=...)")
+  raise TypeError(f"ao.jit: overlap_config must be an ao.OverlapConfig, got "
+                  f"{type(config).__name__}; pass {hint}")
+
+
 class AutoOverlapJit:
   """What `ao.jit` returns: callable like the `jax.jit` object it wraps."""
 
@@ -62,7 +73,7 @@ class AutoOverlapJit:
     if not callable(fun):
       raise TypeError(f"ao.jit expects a callable, got {type(fun).__name__}")
     self._fun = fun
-    self._config = overlap_config or OverlapConfig()
+    self._config = _check_config(overlap_config)
     self._jit_kwargs = jit_kwargs
     self._jitted = jax.jit(_rewriting(fun, self._config), **jit_kwargs)
     functools.update_wrapper(self, fun)
@@ -99,6 +110,7 @@ def jit(fun: Callable | None = None, /, *, overlap_config: OverlapConfig | None 
   ...) is forwarded.  `overlap_config` sets how the fused ops run.
   """
   if fun is None:
+    _check_config(overlap_config)
     return functools.partial(jit, overlap_config=overlap_config, **jit_kwargs)
   return AutoOverlapJit(fun, overlap_config, **jit_kwargs)
 

@@ -250,9 +250,11 @@ def test_negative_cases_stay_unfused():
   x, w = randn(ks[0], (8, 8), np.float32), randn(ks[1], (8, 8), np.float32)
   specs = (P("x"), P())
   cases = {
-      "untiled": (lambda x, w: lax.all_gather(x, "x", axis=0, tiled=False).reshape(-1, 8) @ w,
-                  "untiled"),
-      "used_before": (lambda x, w: (lambda g: jnp.sin(g).sum() + g @ w)(AG(x)), "used before"),
+      "untiled": (lambda x, w: jnp.einsum("nij,jk->nik", lax.all_gather(x, "x", tiled=False), w)
+                  .reshape(-1, 8), "untiled"),
+      "other_operand_from_gathered": (
+          lambda x, w: (lambda g: g @ (w * jnp.sum(jnp.sin(g))))(AG(x)),
+          "other operand is computed from the gathered value"),
       "both_operands": (lambda x, w: (lambda g: lax.dot_general(g, g, (((1,), (1,)), ((), ()))))(AG(x))[:, :8] @ w,
                         "both operands"),
   }

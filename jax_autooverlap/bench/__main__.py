@@ -296,7 +296,10 @@ def main(argv=None):
                                       "end-to-end training-step benchmark; ... calibrate --help: "
                                       "the cost model's calibration")
   ap.add_argument("op", choices=["ag", "rs"])
-  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
+  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                  help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
+                       "dim, N columns of w; M and N divisible by the GPU count), e.g. "
+                       "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--out", default="bench/results")

@@ -57,3 +57,19 @@ def eqn_context(eqn):
   """The context jax.core.eval_jaxpr binds an equation under (source info, name stack)."""
   name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
   return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def phase(eqn, outer: str = "fwd") -> str:
+  """Where an equation runs in a differentiated program: "fwd", "bwd" or "remat".
+
+  JAX names the equations of a transposed (VJP) program with a `transpose`
+  transform in their name stack, and the forward recomputed there by
+  `jax.checkpoint` with a `rematted_computation` scope.  Name stacks inside a
+  sub-jaxpr are relative to the enclosing equation: `outer` is its phase.
+  """
+  stack = eqn.source_info.name_stack.stack
+  bwd = outer != "fwd" or any(isinstance(s, source_info_util.Transform) and s.name == "transpose"
+                              for s in stack)
+  remat = outer == "remat" or any(isinstance(s, source_info_util.Scope)
+                                  and s.name == "rematted_computation" for s in stack)
+  return ("remat" if remat else "bwd") if bwd else "fwd"

@@ -39,7 +39,7 @@ from jax_autooverlap.ops.planning import DotDims, describe
 from jax_autooverlap.rewrite import _jax
 from jax_autooverlap.rewrite.analysis import FUSABLE_DTYPES, SKIP
 from jax_autooverlap.rewrite.layout import LAYOUT_PRIMITIVES, dim_through
-from jax_autooverlap.rewrite.match import Match
+from jax_autooverlap.rewrite.match import Match, status_of
 from jax_autooverlap.runtime import context
 
 ORIGIN = "explicit"
@@ -522,8 +522,8 @@ class _Matcher:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
     need = len(self.uses[g.value]) > 1 or g.value in self.outvars
-    match = Match(status="fused", reason="",
-                  impl=self._impl("ag_matmul", deqn, shapes, x, g.gather_dim, n, mesh), **base)
+    impl = self._impl("ag_matmul", deqn, shapes, x, g.gather_dim, n, mesh)
+    match = Match(status=status_of(impl), reason="", impl=impl, **base)
     self._record(match)
     self._skip(g.index, *(self.eqns.index(c) for c, _ in g.chain))
     self._place(first, di, AgFusion(
@@ -555,9 +555,8 @@ class _Matcher:
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
-    match = Match(status="fused", reason="",
-                  impl=self._impl("ag_matmul", deqn, shapes, comm.operand, comm.dim, n, mesh),
-                  **base)
+    impl = self._impl("ag_matmul", deqn, shapes, comm.operand, comm.dim, n, mesh)
+    match = Match(status=status_of(impl), reason="", impl=impl, **base)
     self._record(match)
     key = object() if len(members) > 1 else None  # env key of the gathered value
     for j, c in members:
@@ -654,7 +653,7 @@ class _Matcher:
     impl = self._impl("matmul_rs", deqn, shapes, operand, op_dim, n, mesh)
     if k > 1:
       impl += f"; {k} summed matmuls as one GEMM over concatenated contracting dims"
-    match = Match(status="fused", reason="", impl=impl, **base)
+    match = Match(status=status_of(impl), reason="", impl=impl, **base)
     self._record(match)
     indices = [self.eqns.index(d) for d in dots]
     self._skip(*indices, *sums, *(self.eqns.index(c) for c, _ in chain))

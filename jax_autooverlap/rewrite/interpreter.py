@@ -7,15 +7,21 @@ rule registry keyed by primitive name: shard_map re-enters `jax.shard_map`
 (so axis names and varying-axis types are set up by JAX itself); every other
 primitive gets its sub-jaxprs re-traced from this interpreter and is bound
 with otherwise identical params.
+
+Whatever goes wrong while emitting one fused op (or rebuilding one
+higher-order equation) never breaks the program: the equations it stands for
+are bound as written, the match is reported as skipped with the error, and the
+rest of the program is still rewritten.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import jax
 
 from jax_autooverlap.ops.api import ag_matmul, matmul_rs
-from jax_autooverlap.rewrite import _jax
+from jax_autooverlap.rewrite import _jax, summed
 from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
 from jax_autooverlap.rewrite.explicit import ExplicitAction
 from jax_autooverlap.rewrite.layout import apply_to_shard
@@ -47,35 +53,81 @@ class Interpreter:
   def eval(self, jaxpr, consts, args) -> list:
     env = {}
 
+    producers = {}
+
     def read(v):
       return v.val if isinstance(v, _jax.Literal) else env[v]
+
+    def value(v):
+      """read(v), computing it first where a fused op needs it early (see analysis)."""
+      if isinstance(v, _jax.Literal) or v in env:
+        return read(v)
+      if not producers:
+        producers.update((o, e) for e in jaxpr.eqns for o in e.outvars)
+      eqn = producers[v]
+      with _jax.eqn_context(eqn):
+        outs = _bind(eqn, eqn.params, [value(x) for x in eqn.invars])
+      env.update(zip(eqn.outvars, outs))
+      return env[v]
 
     for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
       env[v] = x
     key = id(jaxpr)
     for i, eqn in enumerate(jaxpr.eqns):
+      for plan in self.plan.emit_before.get((key, i), ()):
+        self._emit(plan, value, env)
       action = self.plan.actions.get((key, i))
       if action is SKIP:
         continue
+      if isinstance(action, (AgPlan, RsPlan)):
+        self._emit(action, value, env)
+        continue
+      if isinstance(action, ExplicitAction):  # programs without shard_map: explicit.py
+        with _jax.eqn_context(eqn):
+          action.emit(self, value, env)
+        continue
+      if eqn.outvars and all(v in env for v in eqn.outvars):
+        continue  # computed early for a fused op
+      invals = [read(v) for v in eqn.invars]
       with _jax.eqn_context(eqn):
-        if isinstance(action, AgPlan):
-          self._emit_ag(action, read, env)
-          continue
-        if isinstance(action, RsPlan):
-          self._emit_rs(action, read, env)
-          continue
-        if isinstance(action, ExplicitAction):  # programs without shard_map: explicit.py
-          action.emit(self, read, env)
-          continue
-        invals = [read(v) for v in eqn.invars]
         if (key, i) in self.plan.rebuild:
-          rule = RULES.get(eqn.primitive.name, _generic_rule)
-          outs = rule(self, eqn, invals)
+          outs = self._rebuild(eqn, invals, (key, i))
         else:
           outs = _bind(eqn, eqn.params, invals)
       for v, x in zip(eqn.outvars, outs):
         env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+  def _emit(self, plan, read, env):
+    """Emit one fused op; if that fails, bind the equations it stands for."""
+    ag = isinstance(plan, AgPlan)
+    try:
+      with _jax.eqn_context(plan.dot_eqn if ag else plan.rs_eqn):
+        (self._emit_ag if ag else self._emit_rs)(plan, read, env)
+    except Exception as e:  # noqa: BLE001 - any failure keeps this match unfused
+      self._keep_unfused([plan.match], e, "rewriting this match")
+      for eqn in plan.replaced:
+        with _jax.eqn_context(eqn):
+          outs = _bind(eqn, eqn.params, [read(v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, outs):
+          env[v] = x
+
+  def _rebuild(self, eqn, invals, key):
+    rule = RULES.get(eqn.primitive.name, _generic_rule)
+    try:
+      return rule(self, eqn, invals)
+    except Exception as e:  # noqa: BLE001 - keep the equation as written
+      self._keep_unfused(self.plan.inside.get(key, ()), e, f"rebuilding {eqn.primitive.name}")
+      return _bind(eqn, eqn.params, invals)
+
+  def _keep_unfused(self, matches, error, what):
+    text = str(error).strip().splitlines()
+    reason = (f"internal error while {what}, kept unfused: {type(error).__name__}: "
+              f"{text[0][:300] if text else ''}")
+    for m in matches:
+      if m.rewritten and self.plan.report.mark_skipped(m, reason):
+        warnings.warn(f"jax_autooverlap: {m.kind} over {m.axis_name!r} at {m.source}: {reason}",
+                      RuntimeWarning, stacklevel=2)
 
   def _emit_ag(self, a: AgPlan, read, env):
     n = a.match.axis_size or 1
@@ -97,12 +149,19 @@ class Interpreter:
   def _emit_rs(self, r: RsPlan, read, env):
     n = r.match.axis_size or 1
     p = r.dot_eqn.params
-    y = matmul_rs(read(r.dot_eqn.invars[0]), read(r.dot_eqn.invars[1]), r.match.axis_name,
-                  scatter_dim=r.scatter_dim, dimension_numbers=p["dimension_numbers"],
+    dots = r.dots or (r.dot_eqn,)
+    if len(dots) > 1:
+      x, w, dn = summed.merge(dots, [(read(e.invars[0]), read(e.invars[1])) for e in dots])
+    else:
+      x, w, dn = read(r.dot_eqn.invars[0]), read(r.dot_eqn.invars[1]), p["dimension_numbers"]
+    y = matmul_rs(x, w, r.match.axis_name, scatter_dim=r.scatter_dim, dimension_numbers=dn,
                   precision=p["precision"], preferred_element_type=p["preferred_element_type"],
                   config=self.config)
     for ceqn, out_dim in r.chain:
       y = apply_to_shard(ceqn, y, out_dim, n)
+    out_shape = r.rs_eqn.outvars[0].aval.shape
+    if y.shape != out_shape:  # an untiled psum_scatter: its reshape split the scattered axis off
+      y = y.reshape(out_shape)
     env[r.rs_eqn.outvars[0]] = y
 
   def retrace(self, j):

@@ -37,11 +37,21 @@ def _reshape_dim(src_shape, dst_shape, d: int, n: int):
   return None
 
 
-def dim_through(eqn, d: int, n: int, forward: bool):
-  """Where dim d of the op's input (forward) or output (backward) lands, or None."""
+def dim_through(eqn, d: int, n: int, forward: bool, shape=None):
+  """Where dim d of the op's input (forward) or output (backward) lands, or None.
+
+  `shape` replaces the shape of the side d is on (the input going forward, the
+  output going backward): an untiled collective's reshape is read as acting on
+  the tiled shape, whose row-major layout is the same.
+  """
   name = eqn.primitive.name
   in_shape = eqn.invars[0].aval.shape
   out_shape = eqn.outvars[0].aval.shape
+  if shape is not None:
+    if forward:
+      in_shape = tuple(shape)
+    else:
+      out_shape = tuple(shape)
   if name in ("convert_element_type", "copy", "copy_p", "pvary", "pcast"):
     return d
   if name == "transpose":

@@ -5,6 +5,18 @@ import dataclasses
 from typing import Any
 
 
+FUSED, UNFUSED, SKIPPED = "fused", "unfused", "skipped"
+
+
+def status_of(impl: str) -> str:
+  """Status of a rewritten match from the planner's note (ops.planning.describe), which
+  starts with what runs: "unfused ..." where the plain collective and matmul run."""
+  return UNFUSED if impl.startswith("unfused") else FUSED
+
+PHASES = {"fwd": "forward pass", "bwd": "backward pass (a transpose / VJP)",
+          "remat": "forward recomputed in the backward pass (jax.checkpoint)"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Match:
   """A collective next to a dot_general inside a shard_map body (or implied by the sharding
@@ -12,16 +24,23 @@ class Match:
 
   kind: "ag_matmul" (all_gather -> dot_general) or "matmul_rs"
     (dot_general -> psum_scatter).
-  status: "fused" or "skipped"; reason says why a candidate was skipped.
-  impl: what runs for a fused match on the program's platform.
+  status: "fused" (a fused op runs: the reference ring or the GPU kernel),
+    "unfused" (rewritten into the fused op, which runs the plain collective
+    and matmul here: forced by OverlapConfig(impl="unfused") or chosen by the
+    tuner; `impl` says which) or "skipped" (left as written; `reason` says why).
+  impl: what runs for a rewritten match on the program's platform.
   operand: which dot operand is gathered ("lhs"/"rhs"), or whose free dim is
     scattered; dim_kind: "free", "contracting" or "batch" for that dim.
   collective_dim: all_gather_dimension / scatter_dimension as written.
-  lhs_shape/rhs_shape/out_shape: the dot_general's per-device shapes.
-  n_dots: dot_generals fed by one gather (the first is fused; the others
-    reuse its gathered value).
-  source: the user's source line of the collective; path: where in the
-    program (nesting of jit/shard_map/scan/...).
+  lhs_shape/rhs_shape/out_shape: the dot_general's per-device shapes (for a
+    sum of matmuls, those of the one matmul over concatenated contracting dims).
+  n_dots: dot_generals fed by one gather (one is fused; the others reuse its
+    gathered value), or matmuls summed before one psum_scatter.
+  note: more about a rewritten match (e.g. the other operand's own gather).
+  phase: "fwd", "bwd" (inside a transpose / VJP) or "remat" (the forward
+    recomputed by jax.checkpoint in the backward pass).
+  source / dot_source: the user's source lines of the collective and of the
+    matmul; path: where in the program (nesting of jit/shard_map/scan/...).
   origin: "shard_map" (a collective in a shard_map body) or "explicit" (a
     collective implied by the sharding types of a program without shard_map).
   """
@@ -41,15 +60,30 @@ class Match:
   impl: str | None = None
   source: str = ""
   path: str = ""
+  note: str = ""
+  phase: str = "fwd"
+  dot_source: str = ""
   origin: str = "shard_map"  # or "explicit": implied by explicit-sharding types, no shard_map
 
   @property
   def fused(self) -> bool:
-    return self.status == "fused"
+    return self.status == FUSED
+
+  @property
+  def rewritten(self) -> bool:
+    """The program holds the fused op here (status fused or unfused)."""
+    return self.status in (FUSED, UNFUSED)
 
 
 def _shape(s):
   return "-" if s is None else "x".join(map(str, s)) or "()"
+
+
+def _table(rows):
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return lines
 
 
 @dataclasses.dataclass
@@ -60,11 +94,24 @@ class Report:
 
   @property
   def fused(self) -> list[Match]:
-    return [m for m in self.matches if m.status == "fused"]
+    return [m for m in self.matches if m.status == FUSED]
+
+  @property
+  def unfused(self) -> list[Match]:
+    return [m for m in self.matches if m.status == UNFUSED]
 
   @property
   def skipped(self) -> list[Match]:
-    return [m for m in self.matches if m.status == "skipped"]
+    return [m for m in self.matches if m.status == SKIPPED]
+
+  def mark_skipped(self, match: Match, reason: str) -> bool:
+    """Replace `match` (this very object, wherever listed) by a skipped copy; False if absent."""
+    found = False
+    for i, m in enumerate(self.matches):
+      if m is match:
+        self.matches[i] = dataclasses.replace(match, status=SKIPPED, reason=reason, impl=None)
+        found = True
+    return found
 
   def __len__(self):
     return len(self.matches)
@@ -76,20 +123,31 @@ class Report:
     if not self.matches:
       return "\n".join(["jax_autooverlap: no all_gather/psum_scatter next to a dot_general was "
                         "found."] + [f"  {note}" for note in self.notes])
-    head = ("#", "kind", "status", "axis", "dim", "lhs", "rhs", "out", "dtype", "impl / reason",
-            "source")
-    rows = [head]
+    head = ("#", "pass", "kind", "status", "axis", "dim", "lhs", "rhs", "out", "dtype", "path")
+    rows, details = [head], []
     for i, m in enumerate(self.matches):
       dim = f"{m.collective_dim}" + (f" ({m.operand} {m.dim_kind})" if m.operand else "")
-      note = m.impl if m.fused else m.reason
-      if m.n_dots > 1:
-        note = f"{note}; {m.n_dots} dots share the gather"
       axis = f"{m.axis_name}" + (f"={m.axis_size}" if m.axis_size else "")
       kind = m.kind + (" [explicit]" if m.origin == "explicit" else "")
-      rows.append((str(i), kind, m.status, axis, dim, _shape(m.lhs_shape), _shape(m.rhs_shape),
-                   _shape(m.out_shape), m.dtype or "-", note or "", m.source))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    summary = f"{len(self.fused)} fused, {len(self.skipped)} skipped"
-    return "\n".join(lines + [summary])
+      rows.append((str(i), m.phase, kind, m.status, axis, dim, _shape(m.lhs_shape),
+                   _shape(m.rhs_shape), _shape(m.out_shape), m.dtype or "-", m.path or "/"))
+      why = [f"impl: {m.impl}" if m.rewritten else f"why: {m.reason}"]
+      if m.n_dots > 1:
+        why.append(f"{m.n_dots} matmuls share the gather" if m.kind == "ag_matmul" else
+                   f"sum of {m.n_dots} matmuls, one GEMM over their concatenated contracting dims")
+      if m.note:
+        why.append(m.note)
+      collective = "all_gather" if m.kind == "ag_matmul" else "psum_scatter"
+      where = f"matmul at {m.dot_source or '?'}; {collective} at {m.source or '?'}"
+      if m.phase == "bwd":  # JAX gives a VJP's equations the lines of the ops they differentiate
+        where = f"VJP of the matmul at {m.dot_source or '?'} and the collective at {m.source or '?'}"
+      details.append((i, "; ".join(why), where))
+    lines = _table(rows)
+    for i, why, where in details:
+      lines += [f"{i:>2}: {why}", f"    {where}"]
+    if any(m.phase != "fwd" for m in self.matches):
+      lines.append("pass: " + "; ".join(f"{k} = {v}" for k, v in PHASES.items()))
+    counts = f"{len(self.fused)} fused, {len(self.skipped)} skipped"
+    if self.unfused:
+      counts += f", {len(self.unfused)} unfused (the plain collective and matmul run)"
+    return "\n".join(lines + [counts])
