@@ -23,15 +23,12 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine."""
-  from jax_autooverlap.backends.triton import _tiles_per_chunk
+  from jax_autooverlap.backends.triton import _tiles_per_chunk, ag_grid
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
-  tm = math.ceil(m / kernel.block_m)
-  tn = math.ceil(n / kernel.block_n)
-  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  num_ctas = min(num_sms, num_comm + world * tm * tn)
+  tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_ag_gemm_kernel, name="ao_ag_gemm_gluon",
@@ -73,15 +70,12 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine."""
-  from jax_autooverlap.backends.triton import _tiles_per_chunk
+  from jax_autooverlap.backends.triton import _tiles_per_chunk, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
-  m_out = m // world
-  tm = math.ceil(m_out / kernel.block_m)
-  tn = math.ceil(n / kernel.block_n)
-  num_ctas = min(num_sms, world * tm * tn)
+  m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
   out, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
       zeroed_outputs=(0,) if poison else (),

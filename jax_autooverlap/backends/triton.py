@@ -68,6 +68,20 @@ def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
              math.ceil(tile_rows / workspace.MAX_CHUNKS))
 
 
+def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
+  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines)."""
+  tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
+  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
+  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn)
+
+
+def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
+  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines)."""
+  m_out = m // world
+  tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
+  return m_out, tm, tn, min(num_sms, world * tm * tn)
+
+
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
@@ -87,11 +101,8 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
   m, k = a.shape
   n = b.shape[1]
-  tm = math.ceil(m / kernel.block_m)
-  tn = math.ceil(n / kernel.block_n)
+  tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
-  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  num_ctas = min(num_sms, num_comm + world * tm * tn)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
@@ -160,11 +171,8 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
   m, k = a.shape
   n = b.shape[1]
-  m_out = m // world
-  tm = math.ceil(m_out / kernel.block_m)
-  tn = math.ceil(n / kernel.block_n)
+  m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
   tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
-  num_ctas = min(num_sms, world * tm * tn)
   out, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),

@@ -41,18 +41,9 @@ def _log(msg):
 
 
 def _time_ms(fn, arg_sets, iters: int, batches: int = 5) -> float:
-  import jax
-  import numpy as np
-  for args in arg_sets:  # compile + warm up on every input set
-    jax.block_until_ready(fn(*args))
-  per_call = []
-  for _ in range(batches):
-    t0 = time.perf_counter()
-    outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)]
-    jax.block_until_ready(outs)
-    per_call.append((time.perf_counter() - t0) * 1e3 / iters)
-    del outs
-  return float(np.median(per_call))
+  """ms per call of back-to-back calls: the verdicts' measure (shared with autotuning)."""
+  from jax_autooverlap.tuning.autotune import time_call
+  return time_call(fn, arg_sets, iters, batches)
 
 
 def _versions():

@@ -81,6 +81,7 @@ def time_call(fn, arg_sets, iters: int | None = None, batches: int | None = None
     outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)]
     jax.block_until_ready(outs)
     per_call.append((time.perf_counter() - t0) * 1e3 / iters)
+    del outs  # free a batch's outputs before the next one
   return float(np.median(per_call))
 
 
