@@ -16,7 +16,9 @@ time-sliced contexts: timings mean nothing here.
 Scenarios:
   kernels       explain says "triton kernel ..., 2 processes"; AG+GEMM and GEMM+RS
                 equal the host reference; 1,000 repeated calls of each are
-                bit-identical; a lax.scan body holding each op.
+                bit-identical; a lax.scan body holding each op; each op inside a
+                user's jax.jit (an ao.jit function called there, and the op
+                called directly).
   missing_peer  both processes trace the program, only process 0 runs it: its
                 bounded waits expire, the call fails and check_errors() raises
                 CollectiveTimeoutError naming the peer (no hang).
@@ -35,7 +37,7 @@ REPO = os.path.dirname(HERE)
 M, K, N = 1024, 1024, 1024
 TOL = 2e-2  # bf16 outputs
 # Checks each process must report (a crash must not pass as "nothing failed").
-EXPECTED_CHECKS = {"kernels": (8, 8), "missing_peer": (2, 0)}
+EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0)}
 TIMEOUT_S = {"kernels": 400, "missing_peer": 180}  # both fit in one 10-minute device call
 
 
@@ -165,6 +167,27 @@ def _worker(scenario: str, me: int, port: str):
     check(f"{name}: lax.scan body ({steps} steps, 3 runs)",
           impl.startswith("triton kernel") and max(errs) < TOL,
           f"{impl[:40]}...; relative errors {[f'{e:.1e}' for e in errs]}")
+
+  # Inside a user's jax.jit: an ao.jit function called there, and the ops called directly.
+  ag_op = lambda x, w: ao.ag_matmul(x, w, "x", config=cfg)
+  rs_op = lambda h, w: ao.matmul_rs(h, w, "x", config=cfg)
+  nested = {
+      "ag": (jax.jit(lambda x, w: f_ag(x, w) * 1), jax.jit(jax.shard_map(
+          ag_op, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))),
+             (x, w), want_ag),
+      "rs": (jax.jit(lambda h, w: f_rs(h, w) * 1), jax.jit(jax.shard_map(
+          rs_op, mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x"))),
+             (h, w2), want_rs),
+  }
+  with jax.set_mesh(mesh):
+    for name, (in_jit, direct, args, want) in nested.items():
+      for where, f in (("jax.jit(ao.jit(f))", in_jit), ("op called in jax.jit", direct)):
+        hlo = f.lower(*args).compile().as_text()
+        kv.wait_at_barrier(f"ao-test/nested-{name}-{where}", 300_000)
+        errs = [rel(local(f(*args)), want) for _ in range(3)]
+        check(f"{name}: {where}", "triton_kernel_call" in hlo and max(errs) < TOL,
+              f"kernel in program: {'triton_kernel_call' in hlo}; relative errors "
+              f"{[f'{e:.1e}' for e in errs]}")
   kv.wait_at_barrier("ao-test/done", 300_000)
 
 
