@@ -137,10 +137,14 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
   at most one outstanding group means k-block i-1's MMA is done, so its stage
   goes back to the producer.  The last stage goes back after the final wait.
+  The stage handed back is derived from the loop-carried `it` alone: Triton
+  carries a name through a loop only if its value differs from the one it
+  entered with, so a `prev = it` copy made at the top of the loop body is
+  silently frozen at its entry value (every release then went to one stage,
+  the others were never freed, and the producer hung).
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
   acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
-  prev = it
   for k in range(0, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
@@ -148,12 +152,12 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
     acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
     # both warpgroups are past k-block it-1 before its stage is handed back
     tl.debug_barrier()
-    mbarrier.arrive(empty.index(prev % STAGES), count=1, pred=it > prev)
-    prev = it
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
     it += 1
   acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
   tl.debug_barrier()
-  mbarrier.arrive(empty.index(prev % STAGES), count=1, pred=it > prev)
+  # K >= 1, so the loop ran and stage it-1 is the tile's last one
+  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
   return acc, it
 
 
