@@ -109,7 +109,7 @@ def test_table_and_records():
 
 def test_parse_args_requires_loopback_flag():
   args = lb.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
-  assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl")
+  assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
 

@@ -297,10 +297,9 @@ def main(argv=None):
   ap.add_argument("--no-rivals", action="store_true")
   ap.add_argument("--no-cache", action="store_true",
                   help="do not record the verdicts in the user's tuning cache")
-  ap.add_argument("--engines", default="tl",
+  ap.add_argument("--engines", default="tl,gluon",
                   help="kernel engines to sweep, comma-separated: tl, gluon (the tuner keeps the "
-                       "fastest correct config; gluon is experimental: it hung in its first GPU "
-                       "test, bench/NOTES.md)")
+                       "fastest correct config)")
   ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]

@@ -487,8 +487,8 @@ def parse_args(argv):
   ap.add_argument("--loopback", action="store_true", required=True)
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="global MxKxN, comma-separated")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--engines", default="tl", help="fused-kernel engines to time, comma-separated: "
-                  "tl, gluon (experimental: it hung in its first GPU test, bench/NOTES.md)")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="fused-kernel engines to time, comma-separated: tl, gluon")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
   ap.add_argument("--out", default="bench/results")
