@@ -22,7 +22,6 @@ jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=60
 import dataclasses  # noqa: E402
 import struct  # noqa: E402
 
-import numpy as np  # noqa: E402
 
 from jax_autooverlap.runtime import rendezvous as rv  # noqa: E402
 from jax_autooverlap.runtime import workspace  # noqa: E402

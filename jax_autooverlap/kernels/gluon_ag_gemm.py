@@ -21,7 +21,6 @@ kernels/ag_gemm.py, with the same workspace protocol and tile order.
   parity double-buffering is safe).
 No CTA waits for another CTA of its own GPU, waits on peers are bounded.
 """
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 

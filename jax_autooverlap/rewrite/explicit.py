@@ -579,7 +579,7 @@ class _Matcher:
     _, axis, dim = change
     mesh = _mesh(reqn.invars[0])
     n = mesh.shape[axis]
-    v, chain, broken = reqn.invars[0], [], False
+    v, chain = reqn.invars[0], []
     while v in self.producer and self.eqns[self.producer[v]].primitive.name in LAYOUT_PRIMITIVES:
       if len(self.uses[v]) != 1 or v in self.outvars:
         return False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import jax
 import numpy as np
 
 _MESH = contextvars.ContextVar("jax_autooverlap_mesh", default=None)
