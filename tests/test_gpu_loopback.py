@@ -7,6 +7,7 @@ second call (other parity slot) must give bit-identical results.  Every
 engine the backend has, on shapes with full and ragged tiles.
 """
 import jax
+import numpy as np
 import pytest
 
 from jax_autooverlap.bench import loopback as lb
@@ -37,6 +38,26 @@ def test_loopback_matches_unfused(engine, op_shape):
   assert res["rel_err"] <= 2e-2, res
   assert res["push_rel_err"] <= (0.0 if op == "ag" else 1e-2), res  # ag pushes a copy of a
   assert res["bit_identical_repeat"], res
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("shape", [(600, 1024, 1280), (4096, 8192, 8192)], ids=lambda s: "x".join(map(str, s)))
+def test_loopback_ag_returns_the_gathered_shards(engine, shape):
+  """With return_gathered the kernel also copies every shard, as it arrives, into `gathered`
+  (the Gluon engine's mover does it with TMA box copies): own shard first (rank 0), then the
+  peer's, bit for bit, in both parity slots."""
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import check_errors
+  case = lb.Case("ag", *shape)
+  loop = lb.Loopback(case, GPUS[0], seed=sum(shape))
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
+  program = lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
+                             return_gathered=True)
+  want = np.concatenate([np.asarray(loop.a), np.asarray(loop.peer)])
+  for _ in range(2):
+    _, gathered = program(*loop.fused_args())
+    check_errors()
+    np.testing.assert_array_equal(np.asarray(gathered), want)
 
 
 def test_loopback_benchmark_writes_records(tmp_path):

@@ -63,9 +63,9 @@ def test_address_table_is_lo_hi_pairs_then_a_zero_pair():
 
 def test_per_call_time_counts_only_the_contestants_kernels():
   events = [("loopback_arm_kernel", 0.003), ("ag_gemm_kernel", 0.30), ("loopback_arm_kernel", 0.003),
-            ("ag_gemm_kernel", 0.32), ("nvjet_tst_256x128", 0.01)]
+            ("ag_gemm_kernel", 0.32), ("Memset 3", 0.002), ("nvjet_tst_256x128", 0.01)]
   assert lb.per_call_ms(events, ("ag_gemm_kernel",), calls=2) == pytest.approx(0.31)
-  # None: every kernel but the set-up one (the cuBLAS GEMM alone may be several kernels)
+  # None: every kernel but the set-up one and memsets (the cuBLAS GEMM alone may be several kernels)
   assert lb.per_call_ms(events, None, calls=2) == pytest.approx((0.62 + 0.01) / 2)
   assert lb.per_call_ms(events, ("gluon_ag_gemm_kernel",), calls=2) is None
 
@@ -92,6 +92,9 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   # float32 has no Gluon path: skipped with the tuner's reason
   assert list(lb.kernel_configs(lb.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
                                 ["tl", "gluon"])) == ["tl"]
+  # a num_comm override (diagnostic) replaces the tuner's, nothing else
+  over = lb.kernel_configs(case, "NVIDIA H200", ["gluon"], num_comm=3)["gluon"]
+  assert over.num_comm == 3 and over.chunks == picked.chunks
 
 
 def test_table_and_records():
@@ -99,17 +102,22 @@ def test_table_and_records():
           "local_gemm": [4096, 4096, 8192], "sm_clock_mhz_min": 1755.0}
   records = [dict(base, impl="gemm_alone", median_ms=0.2),
              dict(base, impl="ours", median_ms=0.21, engine="gluon"),
-             dict(base, impl="ours_tl", median_ms=0.25, engine="tl")]
+             dict(base, impl="ours_tl", median_ms=0.25, engine="tl"),
+             dict(base, impl="engine_alone", median_ms=0.205, engine="gluon")]
   table = lb.format_table("rs", records)
   row = table.splitlines()[-1].split()
-  assert row[:6] == ["4096x8192x8192", "4096x4096x8192", "0.2000", "0.2100", "gluon", "0.2500"]
-  assert row[6:8] == ["1.050", "1.250"]
+  assert row[:7] == ["4096x8192x8192", "4096x4096x8192", "0.2000", "0.2100", "gluon", "0.2500",
+                     "0.2050"]
+  assert row[7:10] == ["1.050", "1.250", "1.025"]
   json.dumps(records)
 
 
 def test_parse_args_requires_loopback_flag():
   args = lb.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
   assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
+  assert (args.num_comm, args.tag) == (None, "")
+  args = lb.parse_args(["ag", "--loopback", "--num-comm", "4", "--tag", "_c4", "--diag", "3"])
+  assert (args.num_comm, args.tag, args.diag) == (4, "_c4", 3)
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
 

@@ -6,17 +6,28 @@ The grid and the per-call constants follow the `tl` launchers; what differs:
 - the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
   producer warp group (jax-triton launches all of them: _compat.py, fix 3);
 - the operand ring has kernel.num_stages stages, the consumers' tile is
-  block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup).
+  block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup);
+- AG+GEMM: the shard is pushed by a mover warp in each of the first
+  kernel.num_comm CTAs, which all compute (backends/triton.py's ag_grid).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
+
+
+def diag_bits() -> int:
+  """AO_GLUON_DIAG: bits that switch parts of the Gluon kernels off, for the loopback benchmark's
+  cost attribution only (results are wrong with some of them): ag 1 = no push by the movers,
+  2 = no waits for peers' chunks; rs 1 = no release of pushed tiles, 2 = no peer partials
+  summed, 4 = no prefetch of the first peer partial."""
+  return int(os.environ.get("AO_GLUON_DIAG", "0"))
 
 
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
@@ -39,11 +50,11 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
       BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
       TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), NUM_COMM=num_comm, NUM_CTAS=num_ctas,
-      COPY_COLS=128 if k % 128 == 0 else 64, FLAGS_OFF=workspace.FLAGS_OFFSET,
+      FLAGS_OFF=workspace.FLAGS_OFFSET,
       BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
       FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
       RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id,
-      STAGES=kernel.num_stages)
+      STAGES=kernel.num_stages, DIAG=diag_bits())
   return (out, gathered) if return_gathered else out
 
 
@@ -87,5 +98,5 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
       MAX_CHUNKS=workspace.MAX_CHUNKS,
       FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id, STAGES=kernel.num_stages)
+      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id, STAGES=kernel.num_stages, DIAG=diag_bits())
   return out

@@ -69,8 +69,14 @@ def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
 
 
 def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines)."""
+  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
+
+  tl: the movers are CTAs of their own, which compute only after pushing; gluon: the mover is
+  a warp of a computing CTA (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
   tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
+  if kernel.engine == "gluon":
+    num_ctas = min(num_sms, world * tm * tn)
+    return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
   return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn)
 

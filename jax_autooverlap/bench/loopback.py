@@ -22,6 +22,8 @@ Contestants, run interleaved (rounds of back-to-back calls of each in turn):
   ours        the fused kernel with the engine the tuner would pick: the
               fastest correct engine of this run (field `engine`)
   ours_tl     the fused kernel with the plain `tl` engine
+  engine_alone  the Gluon engine's plain GEMM (kernels/gluon_gemm.py) on the same
+              local work, same tiles: what the fused kernel costs over its engine
 Times are device times of the contestant's kernels (jax.profiler, CUPTI),
 without the loopback set-up kernel: per round the mean per call, then the
 median over rounds (`round_ms` keeps every round: the spread, e.g. under the
@@ -163,9 +165,10 @@ def _arm(table, compute_capability=None):
 
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
-                  compute_capability: int | None = None):
-  """jit(a, b, table, rank) -> rank 0's output: set-up kernel, then the fused kernel
-  (compute_capability: compile-only checks on a machine without a GPU)."""
+                  compute_capability: int | None = None, return_gathered: bool = False):
+  """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
+  shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
+  machine without a GPU)."""
   cc = dict(compute_capability=compute_capability)
   import jax
   from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs
@@ -175,9 +178,21 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
     table = _arm(table, **cc)  # data dependence: the set-up kernel runs first
     if case.op == "ag":
       return launch_ag_gemm(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
-                            return_gathered=False, timeout_s=timeout_s, num_sms=num_sms, **cc)
+                            return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
+                            **cc)
     return launch_gemm_rs(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
                           timeout_s=timeout_s, num_sms=num_sms, **cc)
+  return jax.jit(run)
+
+
+def engine_program(kernel, num_sms: int, compute_capability: int | None = None):
+  """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages."""
+  import jax
+  from jax_autooverlap.backends.gluon import launch_gemm
+
+  def run(a, b):
+    return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
+                       compute_capability=compute_capability)
   return jax.jit(run)
 
 
@@ -308,9 +323,10 @@ def device_kernel_events(trace_dir) -> list[tuple[str, float]]:
   return [(name, ms) for _, name, ms in sorted(events)]
 
 
-def counted(events, kernel_names, exclude=(ARM_KERNEL,)):
+def counted(events, kernel_names, exclude=(ARM_KERNEL, "Memset")):
   """The events of one contestant: names containing any of `kernel_names` (None: every kernel
-  but the excluded set-up kernel; the GEMM alone may be several kernels)."""
+  but the loopback set-up kernel and memsets (XLA clears cuBLAS's workspace before the GEMM:
+  not GEMM work); the GEMM alone may be several kernels)."""
   return [(name, ms) for name, ms in events if not any(x in name for x in exclude)
           and (kernel_names is None or any(x in name for x in kernel_names))]
 
@@ -386,9 +402,9 @@ def time_interleaved(contestants: dict, rounds: int, calls: int) -> dict:
 
 # --- the benchmark ------------------------------------------------------------------------------
 
-def kernel_configs(case: Case, device_kind: str, engines) -> dict:
+def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None = None) -> dict:
   """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
-  verdict, else the default), with each engine."""
+  verdict, else the default), with each engine (num_comm: override, a diagnostic)."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype = _np_dtype(case.dtype)
@@ -399,6 +415,8 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
     v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
                          dtype, dtype)
   base = v.kernel or select.default_kernel(dtype)
+  if num_comm is not None:
+    base = dataclasses.replace(base, num_comm=num_comm)
   out = {}
   for engine in engines:
     try:
@@ -423,12 +441,16 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
   return (f"gluon_{op}_gemm_kernel",) if op == "ag" else ("gluon_gemm_rs_kernel",)
 
 
-def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
+def bench_case(case: Case, device, engines, rounds: int, calls: int,
+               num_comm: int | None = None, diag: int = 0) -> list[dict]:
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  configs = kernel_configs(case, device.device_kind, engines)
+  configs = kernel_configs(case, device.device_kind, engines, num_comm)
   contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
+  if "gluon" in configs:
+    contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
+                                   ("gluon_gemm_kernel",))
   for engine, cfg in configs.items():
     program = fused_program(case, cfg, num_sms)
     try:
@@ -438,6 +460,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
       continue
     ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
           and checks[engine]["bit_identical_repeat"])
+    if diag and engine == "gluon":  # parts switched off: timed whatever the result
+      checks[engine]["diag"], ok = diag, True
     _log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
          f"{'ok' if ok else 'WRONG, not timed'}")
     if ok:
@@ -448,6 +472,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
   records = [("gemm_alone", timed["gemm_alone"], {})]
   if "tl" in timed:
     records.append(("ours_tl", timed["tl"], {"engine": "tl", **checks["tl"]}))
+  if "engine_alone" in timed:
+    records.append(("engine_alone", timed["engine_alone"], {"engine": "gluon"}))
   if engines_timed:
     best = min(engines_timed, key=lambda e: timed[e][0])
     records.append(("ours", timed[best], {"engine": best, **checks[best],
@@ -466,18 +492,20 @@ def format_table(op: str, records: list[dict]) -> str:
   title = "AllGather+GEMM" if op == "ag" else "GEMM+ReduceScatter"
   lines = [f"{title} loopback (one GPU, world {WORLD}), ms, device time per call (median)",
            "  ".join(f"{h:>16}" for h in ("shape MxKxN", "local GEMM", "gemm_alone", "ours",
-                                           "engine", "ours_tl", "ours/gemm", "tl/gemm",
-                                           "sm MHz min"))]
+                                           "engine", "ours_tl", "engine_alone", "ours/gemm",
+                                           "tl/gemm", "engine/gemm", "sm MHz min"))]
   nan = {"median_ms": float("nan")}
   for (m, k, n), impls in by_shape.items():
-    g, o, t = (impls.get(i, nan)["median_ms"] for i in ("gemm_alone", "ours", "ours_tl"))
+    g, o, t, e = (impls.get(i, nan)["median_ms"]
+                  for i in ("gemm_alone", "ours", "ours_tl", "engine_alone"))
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"]))
     clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
     shape = f"{m}x{k}x{n}"
     lines.append("  ".join([f"{shape:>16}",
                             f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
                             f"{impls.get('ours', {}).get('engine', '-'):>16}", f"{t:>16.4f}",
-                            f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{clock:>16.0f}"]))
+                            f"{e:>16.4f}", f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{e / g:>16.3f}",
+                            f"{clock:>16.0f}"]))
   return "\n".join(lines)
 
 
@@ -491,12 +519,21 @@ def parse_args(argv):
                   help="fused-kernel engines to time, comma-separated: tl, gluon")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
+  ap.add_argument("--num-comm", type=int, default=None,
+                  help="diagnostic: CTAs that push (ag) instead of the tuner's choice")
+  ap.add_argument("--diag", type=int, default=0,
+                  help="diagnostic: AO_GLUON_DIAG bits for the Gluon kernel (backends/gluon.py); "
+                       "timed even where the result is wrong")
+  ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--out", default="bench/results")
   return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.diag:
+    import os
+    os.environ["AO_GLUON_DIAG"] = str(args.diag)
   cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype) for s in args.shapes.split(",")]
   import jax
   from jax_autooverlap.bench.__main__ import _versions
@@ -513,13 +550,13 @@ def main(argv=None) -> int:
   records = []
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
-    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"{gpu}-x1-{date}-{args.op}-loopback.json"
+  path = out_dir / f"{gpu}-x1-{date}-{args.op}-loopback{args.tag}.json"
   path.write_text(json.dumps(records, indent=1))
   table = format_table(args.op, records)
   path.with_suffix(".txt").write_text(table + "\n")

@@ -3,46 +3,108 @@ kernels/ag_gemm.py, with the same workspace protocol and tile order.
 
     out[src*m + i, :] = a_src[i, :] @ b        for every rank src of the group
 
-- CTAs [0, NUM_COMM) first push this GPU's shard into every peer's gather
-  buffer, one BLOCK_M-row unit at a time (plain 16-byte loads/stores through
-  peer pointers, all warps of the default partition), each unit bumping the
-  peer's arrival counter of its chunk (release, system scope); with
-  RETURN_GATHERED they then copy every shard, as it arrives, into `gathered`.
-- Then every CTA runs the engine (kernels/gluon_engine.py).  Its producer
-  warp claims output tiles from the per-call counter in the order local
-  shard first, then rank-1, rank-2, ... (the order peers push to us); for a
-  peer's tile it first waits (acquire, system scope, bounded by %globaltimer,
-  error record on expiry: kernels/sync.py) for the arrival counter of the
-  chunk holding the tile's rows, then fences the generic proxy against the
-  async proxy (the rows are read by TMA), then TMA-loads the k-blocks.  The
-  consumer warpgroups never wait on a peer.
-- After the warp-specialised region the last CTA out zeroes this call's
-  counters and advances the epoch (finish_call: runtime/workspace.py says why
-  parity double-buffering is safe).
-No CTA waits for another CTA of its own GPU, waits on peers are bounded.
+Every CTA runs three partitions (`gl.warp_specialize`):
+- the consumers and the producer of the engine (kernels/gluon_engine.py).
+  The producer warp claims output tiles from the per-call counter in the
+  order local shard first, then rank-1, rank-2, ... (the order peers push to
+  us); for a peer's tile it first waits (acquire, system scope, bounded by
+  %globaltimer, error record on expiry: kernels/sync.py) for the arrival
+  counter of the chunk holding the tile's rows, then fences the generic proxy
+  against the async proxy (the rows are read by TMA), then TMA-loads the
+  k-blocks.  The consumer warpgroups never wait on a peer.
+- the mover, one warp, in CTAs [0, NUM_COMM) (idle elsewhere): pushes this
+  GPU's shard into every peer's gather buffer, one BLOCK_M-row unit at a time
+  in chunk-major order, with TMA box copies through two shared-memory staging
+  buffers (copy_boxes); after a unit it waits until its TMA stores are
+  written (not only read from shared memory), fences, and adds 1 to the
+  peer's arrival counter of the unit's chunk (release, system scope).  With
+  RETURN_GATHERED it then copies every shard, as it arrives, into `gathered`.
+  The push costs no consumer time: the TMA unit moves the bytes, the mover
+  warp only issues and waits for them, and it never waits for the consumers
+  or the producer (its staging buffers and barriers are its own).
+After the warp-specialised region the last CTA out zeroes this call's
+counters and advances the epoch (finish_call: runtime/workspace.py says why
+parity double-buffering is safe).  No CTA waits for another CTA of its own
+GPU, waits on peers are bounded.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import finish_call
-from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, signal_add, table_address, wait_at_least
+from jax_autooverlap.kernels.gluon_sync import finish_call, signal_after_tma_stores
+from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
+
+MOVER_WARPS = gl.constexpr(1)
+MOVER_REGS = gl.constexpr(56)
+BOX = gl.constexpr(64)  # staging box: BOX rows x BOX columns (8 KB in 16-bit dtypes), two of them
 
 
 @gluon.jit
-def copy_rows(src, dst, row0, ROWS: gl.constexpr, COLS: gl.constexpr, BLOCK_R: gl.constexpr,
-              BLOCK_C: gl.constexpr, NUM_WARPS: gl.constexpr):
-  """dst[row0:row0+BLOCK_R, :] = src[row0:row0+BLOCK_R, :] (rows < ROWS), row-major, COLS % BLOCK_C == 0;
-  8 contiguous elements per thread (16-byte accesses for 16-bit dtypes)."""
-  layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BLOCK_C // 8), BLOCK_C // 8], [NUM_WARPS, 1], [1, 0])
-  rows = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, layout))
-  cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
-  rmask = gl.expand_dims(rows < ROWS, 1)
-  for c0 in range(0, COLS, BLOCK_C):
-    offs = gl.expand_dims(rows * COLS, 1) + gl.expand_dims(c0 + cols, 0)
-    gl.store(dst + offs, gl.load(src + offs, mask=rmask), mask=rmask)
+def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, K: gl.constexpr, bufs,
+               bars, n):
+  """Mover: dst[dst_i, row0:row0+ROWS, :K] = src[src_i, row0:row0+ROWS, :K] (3-D descriptors
+  [shards, rows, K] with [1, BOX, BOX] boxes: rows past a shard's end are zero-filled on load
+  and clipped on store), box after box through the two staging buffers.  n counts the boxes
+  this mover has copied: buffer n % 2, phase (n // 2) & 1.  Before a buffer is loaded again
+  the TMA store that last read it has finished reading (store_wait(1): only the newest store
+  may still be reading, and it reads the other buffer)."""
+  BOX_R: gl.constexpr = bufs.shape[2]
+  BOX_C: gl.constexpr = bufs.shape[3]
+  for r in gl.static_range(0, ROWS, BOX_R):
+    for k in range(0, K, BOX_C):
+      b = n % 2
+      eng.tma.store_wait(1)
+      mbarrier.expect(bars.index(b), src_desc.block_type.nbytes)
+      eng.tma_load(src_desc, [src_i, row0 + r, k], bars.index(b), bufs.index(b))
+      mbarrier.wait(bars.index(b), (n // 2) & 1)
+      fence_async_shared()
+      eng.tma_store(dst_desc, [dst_i, row0 + r, k], bufs.index(b))
+      n += 1
+  return n
+
+
+@gluon.jit
+def _mover(local_desc3, peer_descs, bufs_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, my_flags,
+           err_addr, rank, parity, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+           TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+           NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
+           RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
+           DIAG: gl.constexpr):
+  pid = gl.program_id(0)
+  NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
+  n = 0
+  if pid < NUM_COMM and (DIAG & 1) == 0:
+    # Push: unit u = (chunk, peer step, row tile) in chunk-major order (as kernels/ag_gemm.py).
+    UNITS: gl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
+    for u in range(pid, UNITS, NUM_COMM):
+      tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
+      if tm < TM:
+        peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
+        for p in gl.static_range(WORLD):
+          if p == peer:
+            n = copy_boxes(local_desc3, 0, peer_descs[p], rank, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
+                           mv_bars, n)
+        peer_flag = (table_address(table_ptr, peer) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
+            + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
+        signal_after_tma_stores(peer_flag)
+    if RETURN_GATHERED:
+      for u in range(pid, WORLD * TM, NUM_COMM):
+        src = (rank + WORLD - u // TM) % WORLD
+        tm = u % TM
+        if src == rank:
+          n = copy_boxes(local_desc3, 0, gath_desc, src, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
+                         mv_bars, n)
+        else:
+          c = tm // TILES_PER_CHUNK
+          wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                        gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                        err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+          n = copy_boxes(bufs_desc3, src, gath_desc, src, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
+                         mv_bars, n)
+  eng.tma.store_wait(0)  # no TMA store still reads the staging buffers when the CTA ends
 
 
 @gluon.jit
@@ -50,7 +112,7 @@ def _producer(local_desc, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles
               tile_free, tile_counter, my_flags, err_addr, rank, M_SHARD: gl.constexpr,
               K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
               GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, MAX_CHUNKS: gl.constexpr,
-              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
+              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, DIAG: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
   TOTAL: gl.constexpr = WORLD * TM * TN
@@ -67,8 +129,10 @@ def _producer(local_desc, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles
                          empty, it)
     else:
       c = tm // TILES_PER_CHUNK
-      wait_at_least(my_flags + src * MAX_CHUNKS + c, gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                    err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+      if (DIAG & 2) == 0:
+          wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                      gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK), err_addr, OP_ID, rank,
+                      src, c, TIMEOUT_NS)
       it = eng.load_tile(bufs_desc, src * M_SHARD + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
                          b_bufs, ready, empty, it)
     t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
@@ -103,55 +167,23 @@ def gluon_ag_gemm_kernel(
     M_SHARD: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, NUM_COMM: gl.constexpr, NUM_CTAS: gl.constexpr,
-    COPY_COLS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+    FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
-    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr,
+    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
-  pid = gl.program_id(0)
   rank = gl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
-  err_addr = ws + ERROR_SLOT_OFFSET  # holds this process's error-record address
+  err_addr = ws + ERROR_SLOT_OFFSET  # holds this process's error record's address
   header = ws.to(gl.pointer_type(gl.int32))
   epoch = gl.load(header)
   parity = epoch % 2
   TM: gl.constexpr = (M_SHARD + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
   SHARD: gl.constexpr = M_SHARD * K
   my_flags = (ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) + parity * WORLD * MAX_CHUNKS
   # 64-bit element offsets: world * shard elements can exceed 2**31.
   my_bufs = (ws + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
-
-  if pid < NUM_COMM:
-    # Push: unit u = (chunk, peer step, row tile) in chunk-major order (as kernels/ag_gemm.py).
-    UNITS: gl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
-    for u in range(pid, UNITS, NUM_COMM):
-      tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
-      if tm < TM:
-        peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
-        peer_ws = table_address(table_ptr, peer)
-        dst = (peer_ws + BUF_OFF).to(gl.pointer_type(dtype)) \
-            + (parity * WORLD + rank).to(gl.int64) * SHARD
-        copy_rows(a_ptr, gl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS,
-                  eng.NUM_WARPS)
-        peer_flag = (peer_ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
-            + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
-        signal_add(peer_flag, 1)
-    if RETURN_GATHERED:
-      for u in range(pid, WORLD * TM, NUM_COMM):
-        src = (rank + WORLD - u // TM) % WORLD
-        tm = u % TM
-        dst = gl.multiple_of(gathered_ptr + src.to(gl.int64) * SHARD, 16)
-        if src == rank:
-          copy_rows(a_ptr, dst, tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS, eng.NUM_WARPS)
-        else:
-          c = tm // TILES_PER_CHUNK
-          wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                        gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                        err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
-          copy_rows(gl.multiple_of(my_bufs + src.to(gl.int64) * SHARD, 16), dst, tm * BLOCK_M,
-                    M_SHARD, K, BLOCK_M, COPY_COLS, eng.NUM_WARPS)
 
   # Descriptors are made once per CTA.  A ragged last tile row of a peer's shard
   # reads rows of the next shard: they only feed output rows the 3-D output
@@ -160,17 +192,38 @@ def gluon_ag_gemm_kernel(
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   bufs_desc = eng.make_desc(my_bufs, [WORLD * M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
+  # The mover's: shards as [shard, row, col] (rows clipped at a shard's end); peer p's
+  # descriptor covers p's gather buffers of this parity (this rank's shard goes to index rank).
+  local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+  bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+  if RETURN_GATHERED:
+    gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+  else:  # `gathered` is a placeholder: no descriptor over it (never used)
+    gath_desc = bufs_desc3
+  peer_descs = ()
+  for p in gl.static_range(WORLD):
+    peer_bufs = (table_address(table_ptr, p) + BUF_OFF).to(gl.pointer_type(dtype)) \
+        + parity.to(gl.int64) * WORLD * SHARD
+    peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                             [1, BOX, BOX]),)
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
                                                                                   STAGES)
   c_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, BLOCK_N], o_desc.layout)
+  mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, BOX], local_desc3.layout)
+  mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+  for i in gl.static_range(2):
+    mbarrier.init(mv_bars.index(i), count=1)
   tile_counter = header + 2 + parity
   gl.warp_specialize([
       (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    rank, K, BLOCK_K, WORLD, TM, TN, GROUP_M)),
       (_producer, (local_desc, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
                    tile_free, tile_counter, my_flags, err_addr, rank, M_SHARD, K, WORLD, TM, TN,
-                   GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS, TIMEOUT_NS, OP_ID)),
-  ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
+                   GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)),
+      (_mover, (local_desc3, peer_descs, bufs_desc3, gath_desc, mv_bufs, mv_bars, table_ptr,
+                my_flags, err_addr, rank, parity, M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK,
+                NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID, DIAG)),
+  ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.NUM_WARPS)

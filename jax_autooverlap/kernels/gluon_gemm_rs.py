@@ -34,8 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import finish_call, signal_after_tma_stores
-from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
+from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, finish_call,
+                                                signal_after_tma_stores)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
+                                          wait_at_least)
 
 
 @gluon.jit
@@ -67,10 +69,12 @@ def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, r
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
               TN: gl.constexpr, GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
               FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
-              OP_ID: gl.constexpr):
+              OP_ID: gl.constexpr, DIAG: gl.constexpr):
   BLOCK_M: gl.constexpr = o_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
+  # the first peer of the fixed summation order (own partial, then peers in rank order)
+  first = (rank == 0).to(gl.int32)
   it = 0
   j = 0
   loads = 0  # partial tiles TMA-loaded so far: phase of part_bar
@@ -78,13 +82,24 @@ def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, r
   pending_flag = my_flags
   t = eng.next_tile(tiles, tile_ready, tile_free, j)
   while t < WORLD * TM * TN:
+    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    owner = (rank + 1 + step) % WORLD
+    c = tm // TILES_PER_CHUNK
+    expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+    # Own tile whose first peer partial has arrived: TMA-load it into the epilogue
+    # buffer now, behind this tile's main loop (a look, never a wait: no deadlock).
+    prefetched = 0
+    if owner == rank and (DIAG & 6) == 0:
+      if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.NUM_WARPS):
+        fence_proxy_async()
+        free_epilogue_buffer()
+        mbarrier.expect(part_bar, part_desc.block_type.nbytes)
+        eng.tma_load(part_desc, [first * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
+        prefetched = 1
     acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
     if pending != 0:
       signal_after_tma_stores(pending_flag)
       pending = 0
-    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    owner = (rank + 1 + step) % WORLD
-    c = tm // TILES_PER_CHUNK
     if owner != rank:
       eng.stage_out(acc.to(out_dtype), c_smem)
       for r in gl.static_range(WORLD):
@@ -92,16 +107,16 @@ def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, r
           eng.tma_store(peer_descs[r], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
       pending_flag = (table_address(table_ptr, owner) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
           + (parity * WORLD + rank) * MAX_CHUNKS + c
-      pending = 1
+      pending = 1 - (DIAG & 1)
     else:
-      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
       for r in gl.static_range(WORLD):
-        if r != rank:
-          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
-                        TIMEOUT_NS)
-          free_epilogue_buffer()
-          mbarrier.expect(part_bar, part_desc.block_type.nbytes)
-          eng.tma_load(part_desc, [r * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
+        if r != rank and (DIAG & 2) == 0:
+          if r != first or prefetched == 0:
+            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+                          TIMEOUT_NS)
+            free_epilogue_buffer()
+            mbarrier.expect(part_bar, part_desc.block_type.nbytes)
+            eng.tma_load(part_desc, [r * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
           mbarrier.wait(part_bar, loads & 1)
           loads += 1
           acc += c_smem.load(acc.type.layout).to(gl.float32)
@@ -133,7 +148,7 @@ def gluon_gemm_rs_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
     BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
-    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr,
+    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
 ):
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   rank = gl.load(rank_ptr)
@@ -170,7 +185,7 @@ def gluon_gemm_rs_kernel(
       (_consumer, (peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
                    tiles, tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K,
                    BLOCK_K, M_OUT, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, MAX_CHUNKS,
-                   TIMEOUT_NS, OP_ID)),
+                   TIMEOUT_NS, OP_ID, DIAG)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    tile_counter, rank, M_OUT, K, WORLD, TM, TN, GROUP_M)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])

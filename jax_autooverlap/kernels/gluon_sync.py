@@ -22,6 +22,20 @@ def full_write_wait():
 
 
 @gluon.jit
+def all_see_at_least(ptr, expected, NUM_WARPS: gl.constexpr):
+  """One look, no wait: whether *ptr >= expected (acquire, system scope), the same answer in
+  every thread of the partition.  Each thread loads with acquire; the answer is their minimum,
+  so where it is true every thread has acquired a value >= expected (a per-thread scalar load
+  could disagree between threads while the counter moves, and split the partition at its next
+  barrier)."""
+  layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+  ptrs = ptr + gl.zeros([32 * NUM_WARPS], gl.int32, layout)
+  seen = gl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptrs],
+                                   dtype=gl.int32, is_pure=False, pack=1)
+  return gl.min(seen, axis=0) >= expected
+
+
+@gluon.jit
 def signal_after_tma_stores(flag):
   """Publish the TMA stores issued so far, then add 1 to a (peer's) counter (release, system scope).
 
