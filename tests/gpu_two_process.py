@@ -1,6 +1,7 @@
 """Two processes sharing one GPU run the fused kernels over a 2-device mesh (needs a GPU).
 
     python tests/gpu_two_process.py [--log FILE] [--scenario kernels|missing_peer]
+                                    [--engine tl|gluon]
 
 starts each scenario as a pair of processes (CUDA_VISIBLE_DEVICES=0 in both,
 XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one
@@ -11,7 +12,8 @@ NCCL refuses two ranks on one GPU, so the programs hold no XLA collectives:
 inputs are built per process (make_array_from_process_local_data) from the
 same seeded host arrays, and every result is compared with a numpy reference
 of this process's shard.  The two processes' kernels rendezvous through
-time-sliced contexts: timings mean nothing here.
+time-sliced contexts: timings mean nothing here.  --engine picks the kernels'
+engine (KernelConfig.engine; default: the tuner's choice).
 
 Scenarios:
   kernels       explain says "triton kernel ..., 2 processes"; AG+GEMM and GEMM+RS
@@ -88,7 +90,10 @@ def _worker(scenario: str, me: int, port: str):
   want_rs = (f32(H) @ f32(W2))[rows]  # this process's rows of psum_scatter(h @ w2)
 
   timeout = 2.0 if scenario == "missing_peer" else 60.0
-  cfg = ao.OverlapConfig(impl="triton", timeout_s=timeout)
+  from jax_autooverlap.tuning.config import KernelConfig
+  engine = os.environ.get("AO_TEST_ENGINE")
+  cfg = ao.OverlapConfig(impl="triton", timeout_s=timeout,
+                         kernel=KernelConfig(engine=engine) if engine else None)
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
   rs = lambda h, w: lax.psum_scatter(h @ w, "x", scatter_dimension=0, tiled=True)
   f_ag = ao.jit(jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")),
@@ -240,6 +245,8 @@ def main(argv) -> int:
     return 0
   log = argv[argv.index("--log") + 1] if "--log" in argv else None
   scenarios = [argv[argv.index("--scenario") + 1]] if "--scenario" in argv else list(TIMEOUT_S)
+  if "--engine" in argv:  # the workers read it (they inherit the environment)
+    os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
   checks, tails = [], []
   for scenario in scenarios:
     c, t = run_scenario(scenario)

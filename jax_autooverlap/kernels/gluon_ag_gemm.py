@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import finish_call, signal_after_tma_stores
+from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
 from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
 
 MOVER_WARPS = gl.constexpr(1)
@@ -67,16 +67,30 @@ def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, K: gl
 
 
 @gluon.jit
-def _mover(local_desc3, peer_descs, bufs_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, my_flags,
-           err_addr, rank, parity, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF: gl.constexpr,
+           M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
            TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
            RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
            DIAG: gl.constexpr):
   pid = gl.program_id(0)
   NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
+  SHARD: gl.constexpr = M_SHARD * K
   n = 0
   if pid < NUM_COMM and (DIAG & 1) == 0:
+    rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
+    err_addr = ws + ERROR_SLOT_OFFSET
+    dtype: gl.constexpr = local_desc3.dtype
+    my_bufs = (ws + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
+    # Gather buffers of this call's parity as [src, row, col]: this GPU's, and peer p's (this
+    # rank's shard goes to index rank there).
+    bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+    peer_descs = ()
+    for p in gl.static_range(WORLD):
+      peer_bufs = (table_address(table_ptr, p) + BUF_OFF).to(gl.pointer_type(dtype)) \
+          + parity.to(gl.int64) * WORLD * SHARD
+      peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                               [1, BOX, BOX]),)
     # Push: unit u = (chunk, peer step, row tile) in chunk-major order (as kernels/ag_gemm.py).
     UNITS: gl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
     for u in range(pid, UNITS, NUM_COMM):
@@ -108,35 +122,76 @@ def _mover(local_desc3, peer_descs, bufs_desc3, gath_desc, mv_bufs, mv_bars, tab
 
 
 @gluon.jit
-def _producer(local_desc, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-              tile_free, tile_counter, my_flags, err_addr, rank, M_SHARD: gl.constexpr,
-              K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
-              GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, MAX_CHUNKS: gl.constexpr,
-              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, DIAG: gl.constexpr):
+def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+              table_ptr, rank_ptr, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
+              TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+              MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
+              OP_ID: gl.constexpr, DIAG: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
+  BLOCK_K: gl.constexpr = local_desc.block_type.shape[1]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
   TOTAL: gl.constexpr = WORLD * TM * TN
-  it = 0
-  j = 0
-  t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
+  # The first tile (static) is loaded before the rank -> table -> epoch chain is waited for
+  # when it is local (step 0: the first TM x TN tiles); the peers' buffers, the flags and
+  # the per-call counter depend on the epoch.
+  t = eng.first_tile()
+  eng.publish_tile(tiles, tile_ready, tile_free, 0, t)
+  step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+  it = gl.to_tensor(0)  # the operand ring's stage counter
+  if step == 0:
+    it = eng.load_tile(local_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready,
+                       empty, it)
+  rank, ws, header, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
+                                                     MAX_CHUNKS)
+  err_addr = ws + ERROR_SLOT_OFFSET
+  tile_counter = header + 2 + parity
+  my_bufs = (ws + BUF_OFF).to(gl.pointer_type(local_desc.dtype)) \
+      + parity.to(gl.int64) * WORLD * M_SHARD * K
+  # Peers' rows, as one [WORLD * M_SHARD, K] matrix of this call's parity slot.  A ragged last
+  # tile row of a peer's shard reads rows of the next shard: they only feed output rows the
+  # 3-D output descriptor clips (rows >= M_SHARD of that source).
+  bufs_desc = eng.make_desc(my_bufs, [WORLD * M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
+  if step != 0:
+    it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
+                         my_flags, err_addr, M_SHARD, K, WORLD, TM, TILES_PER_CHUNK, MAX_CHUNKS,
+                         TIMEOUT_NS, OP_ID, DIAG)
+  j = 1
+  t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
     eng.publish_tile(tiles, tile_ready, tile_free, j, t)
     j += 1
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    src = (rank + WORLD - step) % WORLD
-    if src == rank:
+    if step == 0:  # this GPU's shard
       it = eng.load_tile(local_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready,
                          empty, it)
     else:
-      c = tm // TILES_PER_CHUNK
-      if (DIAG & 2) == 0:
-          wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                      gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK), err_addr, OP_ID, rank,
-                      src, c, TIMEOUT_NS)
-      it = eng.load_tile(bufs_desc, src * M_SHARD + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
-                         b_bufs, ready, empty, it)
-    t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+      it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                           it, my_flags, err_addr, M_SHARD, K, WORLD, TM, TILES_PER_CHUNK,
+                           MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
+    t = eng.claim_tile(tile_counter, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
+
+
+@gluon.jit
+def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
+                    my_flags, err_addr, M_SHARD: gl.constexpr, K: gl.constexpr,
+                    WORLD: gl.constexpr, TM: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+                    MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
+                    DIAG: gl.constexpr):
+  """Producer: wait for the chunk of source rank - step holding row tile tm (bounded), then
+  TMA-load the tile's k-blocks from the gather buffer."""
+  BLOCK_M: gl.constexpr = bufs_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  src = (rank + WORLD - step) % WORLD
+  c = tm // TILES_PER_CHUNK
+  if (DIAG & 2) == 0:
+    wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                  gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK), err_addr, OP_ID, rank,
+                  src, c, TIMEOUT_NS)
+  return eng.load_tile(bufs_desc, src * M_SHARD + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
+                       b_bufs, ready, empty, it)
 
 
 @gluon.jit
@@ -172,40 +227,26 @@ def gluon_ag_gemm_kernel(
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
-  rank = gl.load(rank_ptr)
-  ws = table_address(table_ptr, rank)
-  err_addr = ws + ERROR_SLOT_OFFSET  # holds this process's error record's address
-  header = ws.to(gl.pointer_type(gl.int32))
-  epoch = gl.load(header)
-  parity = epoch % 2
+  # Only the consumers (the default partition, which needs the rank at its first epilogue)
+  # and finish_call use these here: loads in flight, not waited for before the partitions.
+  rank, ws, header, epoch, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
+                                                         MAX_CHUNKS)
   TM: gl.constexpr = (M_SHARD + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   SHARD: gl.constexpr = M_SHARD * K
-  my_flags = (ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) + parity * WORLD * MAX_CHUNKS
-  # 64-bit element offsets: world * shard elements can exceed 2**31.
-  my_bufs = (ws + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
 
-  # Descriptors are made once per CTA.  A ragged last tile row of a peer's shard
-  # reads rows of the next shard: they only feed output rows the 3-D output
-  # descriptor clips (rows >= M_SHARD of that source).
+  # Descriptors are made once per CTA.  Here only those that do not depend on this call's
+  # epoch, so the first tile (local, static: gluon_engine.first_tile) starts loading without
+  # waiting for the rank -> table -> epoch chain; the producer and the mover make the others.
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
-  bufs_desc = eng.make_desc(my_bufs, [WORLD * M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
-  # The mover's: shards as [shard, row, col] (rows clipped at a shard's end); peer p's
-  # descriptor covers p's gather buffers of this parity (this rank's shard goes to index rank).
+  # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
   local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
-  bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
   if RETURN_GATHERED:
     gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
   else:  # `gathered` is a placeholder: no descriptor over it (never used)
-    gath_desc = bufs_desc3
-  peer_descs = ()
-  for p in gl.static_range(WORLD):
-    peer_bufs = (table_address(table_ptr, p) + BUF_OFF).to(gl.pointer_type(dtype)) \
-        + parity.to(gl.int64) * WORLD * SHARD
-    peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
-                                             [1, BOX, BOX]),)
+    gath_desc = local_desc3
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
                                                                                   STAGES)
   c_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, BLOCK_N], o_desc.layout)
@@ -213,17 +254,16 @@ def gluon_ag_gemm_kernel(
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
-  tile_counter = header + 2 + parity
   gl.warp_specialize([
       (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    rank, K, BLOCK_K, WORLD, TM, TN, GROUP_M)),
-      (_producer, (local_desc, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                   tile_free, tile_counter, my_flags, err_addr, rank, M_SHARD, K, WORLD, TM, TN,
-                   GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)),
-      (_mover, (local_desc3, peer_descs, bufs_desc3, gath_desc, mv_bufs, mv_bars, table_ptr,
-                my_flags, err_addr, rank, parity, M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK,
+      (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                   table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK,
+                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),
+      (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
+                M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK,
                 NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID, DIAG)),
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
-  finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
+  finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.NUM_WARPS)

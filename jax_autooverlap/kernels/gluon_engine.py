@@ -92,6 +92,22 @@ def alloc_pipeline(a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def first_tile():
+  """Producer: the first tile of a CTA is its program id (every CTA is resident and the grid
+  is at most the tile count), so it starts without the per-call counter, whose address
+  depends on the call's epoch; claim_tile hands out the rest."""
+  return gl.program_id(0)
+
+
+@gluon.jit
+def claim_tile(tile_counter, NUM_CTAS: gl.constexpr):
+  """Producer: the next tile, dynamically (a CTA that finishes early takes more): tiles
+  [0, NUM_CTAS) went out statically, the per-call counter (zero at the call's start) counts
+  the rest."""
+  return NUM_CTAS + gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
 def publish_tile(tiles, tile_ready, tile_free, j, t):
   """Producer: hand tile number t (the j-th this CTA claimed) to the consumers."""
   slot = j % TILE_RING

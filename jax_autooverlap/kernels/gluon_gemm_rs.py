@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, finish_call,
+from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
                                                 signal_after_tma_stores)
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
                                           wait_at_least)
@@ -42,64 +42,112 @@ from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, 
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-              tile_counter, rank, M_OUT: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
-              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr):
-  BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+              table_ptr, rank_ptr, M_OUT: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, NUM_CTAS: gl.constexpr,
+              FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
-  it = 0
-  j = 0
-  t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
+  rank = gl.load(rank_ptr)
+  # The first tile (static) is loaded before the rank -> table -> epoch chain is waited for;
+  # the per-call counter's address depends on the epoch.
+  t = eng.first_tile()
+  eng.publish_tile(tiles, tile_ready, tile_free, 0, t)
+  it = _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, gl.to_tensor(0), M_OUT, K,
+                  WORLD, TM, TN, GROUP_M)
+  _, _, header, _, parity, _ = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
+  tile_counter = header + 2 + parity
+  j = 1
+  t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
     eng.publish_tile(tiles, tile_ready, tile_free, j, t)
     j += 1
-    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    owner = (rank + 1 + step) % WORLD
-    # A ragged last tile row of an owner reads rows of the next owner: they only
-    # feed output rows >= M_OUT, which no descriptor stores.
-    it = eng.load_tile(a_desc, owner * M_OUT + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
-                       b_bufs, ready, empty, it)
-    t = gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+    it = _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, M_OUT, K, WORLD, TM,
+                    TN, GROUP_M)
+    t = eng.claim_tile(tile_counter, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
 
 
 @gluon.jit
-def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
+def _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, M_OUT: gl.constexpr,
+               K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
+               GROUP_M: gl.constexpr):
+  """Producer: TMA-load tile t's k-blocks (its owner's rows of a) into the operand ring."""
+  BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+  owner = (rank + 1 + step) % WORLD
+  # A ragged last tile row of an owner reads rows of the next owner: they only feed output
+  # rows >= M_OUT, which no descriptor stores.
+  return eng.load_tile(a_desc, owner * M_OUT + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
+                       b_bufs, ready, empty, it)
+
+
+@gluon.jit
+def _prefetch_partial(t, part_desc, c_smem, part_bar, my_flags, rank, first, M_OUT: gl.constexpr,
+                      WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
+                      GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+                      MAX_CHUNKS: gl.constexpr, DIAG: gl.constexpr):
+  """Consumers, before tile t's main loop: if t is an own tile whose first peer partial has
+  arrived (one look, never a wait: no deadlock), TMA-load that partial into the epilogue
+  buffer, behind the main loop.  Returns 1 if it did."""
+  BLOCK_M: gl.constexpr = part_desc.block_type.shape[0]
+  BLOCK_N: gl.constexpr = part_desc.block_type.shape[1]
+  step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+  c = tm // TILES_PER_CHUNK
+  expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+  prefetched = 0
+  if (rank + 1 + step) % WORLD == rank and (DIAG & 6) == 0:
+    if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.NUM_WARPS):
+      fence_proxy_async()
+      free_epilogue_buffer()
+      mbarrier.expect(part_bar, part_desc.block_type.nbytes)
+      eng.tma_load(part_desc, [first * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
+      prefetched = 1
+  return prefetched
+
+
+@gluon.jit
+def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K: gl.constexpr,
-              BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
-              FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
+              BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
+              TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+              MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
               OP_ID: gl.constexpr, DIAG: gl.constexpr):
   BLOCK_M: gl.constexpr = o_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
-  # the first peer of the fixed summation order (own partial, then peers in rank order)
-  first = (rank == 0).to(gl.int32)
+  TOTAL: gl.constexpr = WORLD * TM * TN
+  SLOT: gl.constexpr = M_OUT * N
+  # The loop is rotated (epilogue of tile j, then prologue and main loop of tile j+1) so that
+  # the first main loop runs before anything that depends on this call's epoch (rank ->
+  # table -> epoch, loaded meanwhile).  Every CTA has a first tile (grid <= tiles).
+  gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   it = 0
   j = 0
+  t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+  # The peers' partials of this GPU's rows, and one descriptor per peer r for the pushes:
+  # r's slot for this rank (the one for r == rank is never used).
+  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
+  peer_descs = ()
+  for r in gl.static_range(WORLD):
+    slot = (table_address(table_ptr, r) + BUF_OFF).to(gl.pointer_type(out_dtype)) \
+        + (parity * WORLD + rank).to(gl.int64) * SLOT
+    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
+  # the first peer of the fixed summation order (own partial, then peers in rank order)
+  first = (rank == 0).to(gl.int32)
   loads = 0  # partial tiles TMA-loaded so far: phase of part_bar
   pending = 0  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  while t < WORLD * TM * TN:
-    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    owner = (rank + 1 + step) % WORLD
-    c = tm // TILES_PER_CHUNK
-    expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
-    # Own tile whose first peer partial has arrived: TMA-load it into the epilogue
-    # buffer now, behind this tile's main loop (a look, never a wait: no deadlock).
-    prefetched = 0
-    if owner == rank and (DIAG & 6) == 0:
-      if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.NUM_WARPS):
-        fence_proxy_async()
-        free_epilogue_buffer()
-        mbarrier.expect(part_bar, part_desc.block_type.nbytes)
-        eng.tma_load(part_desc, [first * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
-        prefetched = 1
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+  prefetched = 0  # the first tile's partial was not prefetched
+  while t < TOTAL:
     if pending != 0:
       signal_after_tma_stores(pending_flag)
       pending = 0
+    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    owner = (rank + 1 + step) % WORLD
+    c = tm // TILES_PER_CHUNK
     if owner != rank:
       eng.stage_out(acc.to(out_dtype), c_smem)
       for r in gl.static_range(WORLD):
@@ -109,6 +157,7 @@ def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, r
           + (parity * WORLD + rank) * MAX_CHUNKS + c
       pending = 1 - (DIAG & 1)
     else:
+      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
       for r in gl.static_range(WORLD):
         if r != rank and (DIAG & 2) == 0:
           if r != first or prefetched == 0:
@@ -125,6 +174,11 @@ def _consumer(peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, r
       eng.tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
+    prefetched = 0
+    if t < TOTAL:
+      prefetched = _prefetch_partial(t, part_desc, c_smem, part_bar, my_flags, rank, first, M_OUT,
+                                     WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS, DIAG)
+      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
   if pending != 0:
     signal_after_tma_stores(pending_flag)
   eng.finish_partition()
@@ -151,44 +205,36 @@ def gluon_gemm_rs_kernel(
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
 ):
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
-  rank = gl.load(rank_ptr)
-  ws = table_address(table_ptr, rank)
+  # For the consumers (the default partition: first used after their first main loop) and
+  # finish_call: loads in flight, not waited for before the partitions start.
+  rank, ws, header, epoch, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
+                                                         MAX_CHUNKS)
   err_addr = ws + ERROR_SLOT_OFFSET  # holds this process's error-record address
-  header = ws.to(gl.pointer_type(gl.int32))
-  epoch = gl.load(header)
-  parity = epoch % 2
   M_OUT: gl.constexpr = M // WORLD
   TM: gl.constexpr = (M_OUT + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   SLOT: gl.constexpr = M_OUT * N
-  my_flags = (ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) + parity * WORLD * MAX_CHUNKS
   # 64-bit element offsets: world * slot elements can exceed 2**31.
   my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_dtype)) + parity.to(gl.int64) * WORLD * SLOT
-  # Descriptors are made once per CTA, one per peer for the pushes: peer r's slot for this
-  # rank (the one for r == rank is never used).
+  # Descriptors are made once per CTA; here those that do not depend on this call's epoch,
+  # so the first tile (static: gluon_engine.first_tile) starts loading at once.
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
   o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
-  peer_descs = ()
-  for r in gl.static_range(WORLD):
-    slot = (table_address(table_ptr, r) + BUF_OFF).to(gl.pointer_type(out_dtype)) \
-        + (parity * WORLD + rank).to(gl.int64) * SLOT
-    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
                                                                                   STAGES)
   c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
   part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
   mbarrier.init(part_bar, count=1)
-  tile_counter = header + 2 + parity
   gl.warp_specialize([
-      (_consumer, (peer_descs, part_desc, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
+      (_consumer, (my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
                    tiles, tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K,
-                   BLOCK_K, M_OUT, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, MAX_CHUNKS,
-                   TIMEOUT_NS, OP_ID, DIAG)),
+                   BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF,
+                   MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   tile_counter, rank, M_OUT, K, WORLD, TM, TN, GROUP_M)),
+                   table_ptr, rank_ptr, M_OUT, K, WORLD, TM, TN, GROUP_M, NUM_CTAS, FLAGS_OFF,
+                   MAX_CHUNKS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
 
-  finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
+  finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.NUM_WARPS)

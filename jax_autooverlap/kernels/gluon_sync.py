@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from jax_autooverlap.kernels.sync import signal_add
+from jax_autooverlap.kernels.sync import signal_add, table_address
 
 
 @gluon.jit
@@ -19,6 +19,23 @@ def full_write_wait():
   (triton 3.6's tma.store_wait only has the shared-memory-read variant.)"""
   tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
                             "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def call_state(table_ptr, rank_ptr, FLAGS_OFF: gl.constexpr, WORLD: gl.constexpr,
+               MAX_CHUNKS: gl.constexpr):
+  """(rank, workspace address, header, epoch, parity, this parity's arrival counters) of this
+  call: a chain of dependent loads (rank -> address table -> epoch).  Each partition of a
+  warp-specialised kernel loads it where it first needs it: values handed from the kernel's
+  top level into a worker partition must be ready before any partition starts, which would
+  put the whole chain before the first tile."""
+  rank = gl.load(rank_ptr)
+  ws = table_address(table_ptr, rank)
+  header = ws.to(gl.pointer_type(gl.int32))
+  epoch = gl.load(header)
+  parity = epoch % 2
+  my_flags = (ws + FLAGS_OFF).to(gl.pointer_type(gl.int32)) + parity * WORLD * MAX_CHUNKS
+  return rank, ws, header, epoch, parity, my_flags
 
 
 @gluon.jit
