@@ -106,3 +106,11 @@ def test_bench_sweeps_the_engines_asked_for(monkeypatch):
     bench.main(["ag", "--no-rivals", "--shapes", "4096x8192x8192"])
   engines = [c.engine for c in swept["ag"]]
   assert set(engines) == {"tl", "gluon"} and engines.count("gluon") == engines.count("tl")
+
+
+def test_gluon_ag_push_units_are_column_slices_of_whole_boxes():
+  """A Gluon AG push unit is a 128-row tile x push_slice(K) columns: 512 (enough units for
+  every mover at the reference shapes), or the whole of a narrower shard, in 64-column boxes."""
+  from jax_autooverlap.backends.gluon import push_slice
+  assert [push_slice(k) for k in (8192, 4096, 1024, 512, 300, 64, 8)] == [512, 512, 512, 512, 320,
+                                                                          64, 64]

@@ -30,6 +30,12 @@ def diag_bits() -> int:
   return int(os.environ.get("AO_GLUON_DIAG", "0"))
 
 
+def push_slice(k: int) -> int:
+  """Columns of one AG push unit (kernels/gluon_ag_gemm.py): 512 (128 KB of a 128-row bf16 tile),
+  or all of a narrower shard, a whole number of 64-column staging boxes."""
+  return 512 if k > 512 else 64 * math.ceil(k / 64)
+
+
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
@@ -49,8 +55,8 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
       BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
-      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), NUM_COMM=num_comm, NUM_CTAS=num_ctas,
-      FLAGS_OFF=workspace.FLAGS_OFFSET,
+      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), KS=push_slice(k),
+      NUM_COMM=num_comm, NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
       BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
       FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
       RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id,

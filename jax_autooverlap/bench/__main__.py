@@ -271,6 +271,13 @@ def _gpu_name():
   return jax.devices()[0].device_kind.replace(" ", "-")
 
 
+# AG+GEMM (chunks, movers) per engine: tl movers are CTAs of their own (they compute only after
+# pushing); a gluon mover is one warp of a computing CTA, and its push rate grows with the
+# mover count over NVLink (2xH200, 2026-12-01: m8 0.594 ms, m32 0.438 at 4096x8192x8192).
+AG_SWEEP = {"tl": ((4, 8), (4, 16), (8, 16), (8, 32)),
+            "gluon": ((4, 32), (8, 32), (8, 64), (8, 132))}
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   if argv[:1] == ["calibrate"]:  # the cost model's calibration
@@ -318,7 +325,7 @@ def main(argv=None):
   base = default_kernel(args.dtype)
   engines = [e for e in args.engines.split(",") if e]
   sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "num_comm": nc, "engine": e})
-           for e in engines for c, nc in ((4, 8), (4, 16), (8, 16), (8, 32))]
+           for e in engines for c, nc in AG_SWEEP[e]]
   rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "engine": e})
               for e in engines for c in (4, 16)]
   date = datetime.date.today().isoformat()

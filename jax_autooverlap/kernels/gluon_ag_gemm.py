@@ -43,9 +43,8 @@ BOX = gl.constexpr(64)  # staging box: BOX rows x BOX columns (8 KB in 16-bit dt
 
 
 @gluon.jit
-def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, K: gl.constexpr, bufs,
-               bars, n):
-  """Mover: dst[dst_i, row0:row0+ROWS, :K] = src[src_i, row0:row0+ROWS, :K] (3-D descriptors
+def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, k0, k1, bufs, bars, n):
+  """Mover: dst[dst_i, row0:row0+ROWS, k0:k1] = src[src_i, row0:row0+ROWS, k0:k1] (3-D descriptors
   [shards, rows, K] with [1, BOX, BOX] boxes: rows past a shard's end are zero-filled on load
   and clipped on store), box after box through the two staging buffers.  n counts the boxes
   this mover has copied: buffer n % 2, phase (n // 2) & 1.  Before a buffer is loaded again
@@ -54,7 +53,7 @@ def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, K: gl
   BOX_R: gl.constexpr = bufs.shape[2]
   BOX_C: gl.constexpr = bufs.shape[3]
   for r in gl.static_range(0, ROWS, BOX_R):
-    for k in range(0, K, BOX_C):
+    for k in range(k0, k1, BOX_C):
       b = n % 2
       eng.tma.store_wait(1)
       mbarrier.expect(bars.index(b), src_desc.block_type.nbytes)
@@ -69,13 +68,14 @@ def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, K: gl
 @gluon.jit
 def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF: gl.constexpr,
            M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
-           TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+           TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
            RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
            DIAG: gl.constexpr):
   pid = gl.program_id(0)
   NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
   SHARD: gl.constexpr = M_SHARD * K
+  KSPLIT: gl.constexpr = (K + KS - 1) // KS
   n = 0
   if pid < NUM_COMM and (DIAG & 1) == 0:
     rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
@@ -91,16 +91,21 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
           + parity.to(gl.int64) * WORLD * SHARD
       peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
                                                [1, BOX, BOX]),)
-    # Push: unit u = (chunk, peer step, row tile) in chunk-major order (as kernels/ag_gemm.py).
-    UNITS: gl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
+    # Push: unit u = (chunk, peer step, row tile, column slice of KS) in chunk-major order
+    # (as kernels/ag_gemm.py, whose units are whole row tiles): a mover keeps only two boxes
+    # in flight, so the push rate grows with the movers at work, and slices give every
+    # mover a share of even a few row tiles.
+    UNITS: gl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK * KSPLIT
     for u in range(pid, UNITS, NUM_COMM):
-      tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
+      ks = u % KSPLIT
+      v = u // KSPLIT
+      tm = (v // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + v % TILES_PER_CHUNK
       if tm < TM:
-        peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
+        peer = (rank + 1 + (v // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
         for p in gl.static_range(WORLD):
           if p == peer:
-            n = copy_boxes(local_desc3, 0, peer_descs[p], rank, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
-                           mv_bars, n)
+            n = copy_boxes(local_desc3, 0, peer_descs[p], rank, tm * BLOCK_M, BLOCK_M, ks * KS,
+                           gl.minimum(K, (ks + 1) * KS), mv_bufs, mv_bars, n)
         peer_flag = (table_address(table_ptr, peer) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
             + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
         signal_after_tma_stores(peer_flag)
@@ -109,14 +114,14 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
         src = (rank + WORLD - u // TM) % WORLD
         tm = u % TM
         if src == rank:
-          n = copy_boxes(local_desc3, 0, gath_desc, src, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
+          n = copy_boxes(local_desc3, 0, gath_desc, src, tm * BLOCK_M, BLOCK_M, 0, K, mv_bufs,
                          mv_bars, n)
         else:
           c = tm // TILES_PER_CHUNK
           wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                        gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                        gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * KSPLIT,
                         err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
-          n = copy_boxes(bufs_desc3, src, gath_desc, src, tm * BLOCK_M, BLOCK_M, K, mv_bufs,
+          n = copy_boxes(bufs_desc3, src, gath_desc, src, tm * BLOCK_M, BLOCK_M, 0, K, mv_bufs,
                          mv_bars, n)
   eng.tma.store_wait(0)  # no TMA store still reads the staging buffers when the CTA ends
 
@@ -125,9 +130,9 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
 def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               table_ptr, rank_ptr, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
-              MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
-              OP_ID: gl.constexpr, DIAG: gl.constexpr):
+              TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, FLAGS_OFF: gl.constexpr,
+              BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr,
+              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, DIAG: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
   BLOCK_K: gl.constexpr = local_desc.block_type.shape[1]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -155,8 +160,8 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
   bufs_desc = eng.make_desc(my_bufs, [WORLD * M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   if step != 0:
     it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
-                         my_flags, err_addr, M_SHARD, K, WORLD, TM, TILES_PER_CHUNK, MAX_CHUNKS,
-                         TIMEOUT_NS, OP_ID, DIAG)
+                         my_flags, err_addr, M_SHARD, K, KS, WORLD, TM, TILES_PER_CHUNK,
+                         MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
   j = 1
   t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
@@ -168,7 +173,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
                          empty, it)
     else:
       it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty,
-                           it, my_flags, err_addr, M_SHARD, K, WORLD, TM, TILES_PER_CHUNK,
+                           it, my_flags, err_addr, M_SHARD, K, KS, WORLD, TM, TILES_PER_CHUNK,
                            MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
     t = eng.claim_tile(tile_counter, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
@@ -176,20 +181,21 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
 
 @gluon.jit
 def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
-                    my_flags, err_addr, M_SHARD: gl.constexpr, K: gl.constexpr,
+                    my_flags, err_addr, M_SHARD: gl.constexpr, K: gl.constexpr, KS: gl.constexpr,
                     WORLD: gl.constexpr, TM: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
                     MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
                     DIAG: gl.constexpr):
-  """Producer: wait for the chunk of source rank - step holding row tile tm (bounded), then
-  TMA-load the tile's k-blocks from the gather buffer."""
+  """Producer: wait for the chunk of source rank - step holding row tile tm (bounded: every
+  column slice of each of its row tiles), then TMA-load the tile's k-blocks from the gather
+  buffer."""
   BLOCK_M: gl.constexpr = bufs_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
   src = (rank + WORLD - step) % WORLD
   c = tm // TILES_PER_CHUNK
   if (DIAG & 2) == 0:
     wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                  gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK), err_addr, OP_ID, rank,
-                  src, c, TIMEOUT_NS)
+                  gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * ((K + KS - 1) // KS),
+                  err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
   return eng.load_tile(bufs_desc, src * M_SHARD + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
                        b_bufs, ready, empty, it)
 
@@ -221,8 +227,8 @@ def gluon_ag_gemm_kernel(
     out_ptr, gathered_ptr, scratch_ptr,  # outputs (scratch: _compat.lean_launch)
     M_SHARD: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    TILES_PER_CHUNK: gl.constexpr, NUM_COMM: gl.constexpr, NUM_CTAS: gl.constexpr,
-    FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+    TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, NUM_COMM: gl.constexpr,
+    NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
 ):
@@ -258,10 +264,10 @@ def gluon_ag_gemm_kernel(
       (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    rank, K, BLOCK_K, WORLD, TM, TN, GROUP_M)),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK,
+                   table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),
       (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
-                M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK,
+                M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
                 NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID, DIAG)),
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
