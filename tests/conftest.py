@@ -46,6 +46,15 @@ def cpu_mesh(shape, names):
 _seed = [0]
 
 
+def triton_config():
+  """OverlapConfig forcing the GPU kernels; AO_TEST_ENGINE=tl|gluon runs them on that engine
+  (else the tuner's pick), as tests/gpu_two_process.py --engine does."""
+  import jax_autooverlap as ao
+  from jax_autooverlap.tuning.config import KernelConfig
+  engine = os.environ.get("AO_TEST_ENGINE")
+  return ao.OverlapConfig(impl="triton", kernel=KernelConfig(engine=engine) if engine else None)
+
+
 def fresh_key():
   """A new PRNG key for every check: inputs are never reused between checks."""
   _seed[0] += 1

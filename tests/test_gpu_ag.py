@@ -16,8 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
-from jax_autooverlap.tuning.config import KernelConfig
-from conftest import assert_close, fresh_key, randn
+from conftest import assert_close, fresh_key, randn, triton_config
 
 pytestmark = pytest.mark.gpu
 
@@ -25,9 +24,7 @@ GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 if len(GPUS) < 2:
   pytest.skip("needs 2 NVIDIA GPUs", allow_module_level=True)
 
-# AO_TEST_ENGINE=tl|gluon runs every case on that kernel engine (else the tuner's pick)
-_ENGINE = os.environ.get("AO_TEST_ENGINE")
-TRITON = ao.OverlapConfig(impl="triton", kernel=KernelConfig(engine=_ENGINE) if _ENGINE else None)
+TRITON = triton_config()
 TF32 = 5e-3  # tf32 products: relative error ~3e-4, summed over K
 
 

@@ -3,8 +3,6 @@
 Fresh random inputs for every check; reference: the unfused JAX program
 (dot_general + psum_scatter, cuBLAS + NCCL).
 """
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +11,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
-from jax_autooverlap.tuning.config import KernelConfig
-from conftest import assert_close, fresh_key, randn
+from conftest import assert_close, fresh_key, randn, triton_config
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +19,7 @@ GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 if len(GPUS) < 2:
   pytest.skip("needs 2 NVIDIA GPUs", allow_module_level=True)
 
-# AO_TEST_ENGINE=tl|gluon runs every case on that kernel engine (else the tuner's pick)
-_ENGINE = os.environ.get("AO_TEST_ENGINE")
-TRITON = ao.OverlapConfig(impl="triton", kernel=KernelConfig(engine=_ENGINE) if _ENGINE else None)
+TRITON = triton_config()
 RS = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
 
 

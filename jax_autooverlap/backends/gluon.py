@@ -18,7 +18,6 @@ import os
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
-from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -40,7 +39,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine."""
-  from jax_autooverlap.backends.triton import _tiles_per_chunk, ag_grid
+  from jax_autooverlap.backends.triton import ag_grid, kernel_constants
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -53,14 +52,9 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
-      M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
-      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
-      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), KS=push_slice(k),
-      NUM_COMM=num_comm, NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
-      BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
-      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-      RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id,
-      STAGES=kernel.num_stages, DIAG=diag_bits())
+      M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
+      STAGES=kernel.num_stages, DIAG=diag_bits(),
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, gathered) if return_gathered else out
 
 
@@ -87,7 +81,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine."""
-  from jax_autooverlap.backends.triton import _tiles_per_chunk, rs_grid
+  from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -98,11 +92,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       zeroed_outputs=(0,) if poison else (),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
-      M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
-      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m,
-      TILES_PER_CHUNK=_tiles_per_chunk(tm, kernel.chunks), NUM_CTAS=num_ctas,
-      FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
-      MAX_CHUNKS=workspace.MAX_CHUNKS,
-      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id, STAGES=kernel.num_stages, DIAG=diag_bits())
+      M=m, K=k, N=n, STAGES=kernel.num_stages, DIAG=diag_bits(),
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return out

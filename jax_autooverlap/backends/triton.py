@@ -68,6 +68,18 @@ def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
              math.ceil(tile_rows / workspace.MAX_CHUNKS))
 
 
+def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas: int,
+                     timeout_s: float, op_id: int) -> dict:
+  """The compile-time constants every fused kernel takes (both ops, both engines): its tiles and
+  the workspace protocol (runtime/workspace.py's layout, the bounded waits' limit)."""
+  return dict(WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+              GROUP_M=kernel.group_m, TILES_PER_CHUNK=_tiles_per_chunk(tile_rows, kernel.chunks),
+              NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
+              BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
+              FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+              TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+
+
 def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
 
@@ -108,7 +120,6 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m, k = a.shape
   n = b.shape[1]
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
-  tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
@@ -117,13 +128,9 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M_SHARD=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
-      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m, TILES_PER_CHUNK=tiles_per_chunk,
-      NUM_COMM=num_comm, NUM_CTAS=num_ctas, COPY_COLS=128 if k % 128 == 0 else 64,
-      FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
-      MAX_CHUNKS=workspace.MAX_CHUNKS,
-      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-      RETURN_GATHERED=return_gathered, TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+      M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
+      RETURN_GATHERED=return_gathered,
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, gathered) if return_gathered else out
 
 
@@ -178,19 +185,13 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m, k = a.shape
   n = b.shape[1]
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
-  tiles_per_chunk = _tiles_per_chunk(tm, kernel.chunks)
   out, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M=m, K=k, N=n, WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n,
-      BLOCK_K=kernel.block_k, GROUP_M=kernel.group_m, TILES_PER_CHUNK=tiles_per_chunk,
-      NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET, BUF_OFF=workspace.buffer_offset(world),
-      MAX_CHUNKS=workspace.MAX_CHUNKS,
-      FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-      TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+      M=m, K=k, N=n, **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return out
 
 
