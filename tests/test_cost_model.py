@@ -2,6 +2,7 @@
 the planner's order, its choices on a Llama-3-70B TP=2 layer, first-call autotuning and
 `bench calibrate --smoke` (no GPU needed)."""
 
+import dataclasses
 import itertools
 import json
 import pathlib
@@ -352,3 +353,49 @@ def test_gemm_check_shapes_are_not_calibration_points():
   assert len(fresh) >= 10, fresh
   assert {s[0].split()[0] for s in fresh} == {"llama3-8b", "llama3-70b", "mixtral-8x22b-mlp",
                                               "qwen2-72b"}
+
+
+def test_autotune_on_sm90_also_times_the_gluon_engine_and_keeps_the_fastest(
+    fake_gpu_kind, monkeypatch, tmp_path):
+  """On compute capability 9.0 with 16-bit operands the tuner times the model's best config on
+  the Gluon engine too (AG: each of GLUON_MOVERS), and records whichever engine was fastest."""
+  from jax_autooverlap.ops import planning
+  from jax_autooverlap.ops.planning import plan
+  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
+  recorded = {}
+  monkeypatch.setattr(select, "_cache", lambda: recorded)
+  monkeypatch.setattr(planning, "_compute_capability", lambda mesh: "9.0")
+  mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
+  model_pick = select.choose_ag(ao.OverlapConfig(), "cpu", 2, 2048, 8192, 5120, BF16, BF16)
+  gluon_64 = dataclasses.replace(model_pick.kernel, engine="gluon", num_comm=64)
+  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.6 if k == gluon_64 else 0.8)
+  impl, gpu, why = plan("ag_rows", ao.OverlapConfig(autotune=True), 2, sizes, BF16, BF16, mesh,
+                        axis_name="x", may_time=True)
+  gluon = [k for k in calls if k is not None and k.engine == "gluon"]
+  assert [k.num_comm for k in gluon] == list(select.GLUON_MOVERS)
+  assert all(dataclasses.replace(k, engine="tl", num_comm=model_pick.kernel.num_comm)
+             == model_pick.kernel for k in gluon)  # the model's best config, on the other engine
+  assert calls[:1 + len(model_pick.candidates)] == [None, *model_pick.candidates]
+  assert impl == "triton" and gpu.kernel == gluon_64 and why.endswith("; gluon engine)")
+  (entry,) = json.loads((tmp_path / "tuning-ag.json").read_text()).values()
+  assert KernelConfig(**entry["kernel"]) == gluon_64
+  # GEMM+RS: one Gluon candidate; where it is slower the tl config stays
+  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.9 if k.engine == "gluon" else 0.7)
+  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, (1, 8192, 4096, 8192), BF16,
+                        BF16, mesh, axis_name="x", may_time=True)
+  assert sum(k is not None and k.engine == "gluon" for k in calls) == 1
+  assert impl == "triton" and gpu.kernel.engine == "tl" and why.endswith("; tl engine)")
+
+
+def test_gluon_autotune_candidates_only_where_the_engine_runs():
+  ranked = (KernelConfig(chunks=4, num_comm=16), KernelConfig(chunks=8, num_comm=16))
+  sizes = (2048, 8192, 4096)
+  got = select.with_engines("ag", ranked, "9.0", sizes, BF16, BF16)
+  assert got[:2] == ranked and [(k.engine, k.num_comm, k.chunks) for k in got[2:]] == [
+      ("gluon", 32, 4), ("gluon", 64, 4)]
+  assert len(select.with_engines("rs", ranked, "9.0", sizes, BF16, BF16)) == 3
+  assert select.with_engines("ag", ranked, "8.0", sizes, BF16, BF16) == ranked  # not sm_90
+  assert select.with_engines("ag", ranked, None, sizes, BF16, BF16) == ranked  # not a GPU
+  assert select.with_engines("ag", ranked, "9.0", sizes, np.float32, np.float32) == ranked
+  tl_only = (KernelConfig(block_m=64, num_warps=4),)  # tiles the Gluon engine does not take
+  assert select.with_engines("ag", tl_only, "9.0", sizes, BF16, BF16) == tl_only

@@ -48,6 +48,7 @@ def _check_engine(ptx, cfg):
   if cfg.engine == "gluon":
     assert "setmaxnreg" in ptx, "Gluon kernel lost its warp specialisation (register reallocation)"
     assert ".reqntid 384" in ptx, "Gluon kernel: 8 consumer warps + 1 worker warp group expected"
+    assert "%clock64" not in ptx, "the timeline (kernels/gluon_trace.py) is built in"
   else:
     assert "setmaxnreg" not in ptx
 
@@ -135,3 +136,32 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
   ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(jnp.bfloat16), cfg, 1024 if op == "ag" else 4096,
              2048, 3072, world=world, return_gathered=(op == "ag"), op=op)
   assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx
+
+
+@pytest.mark.parametrize("kind", ["gemm", "ag", "rs"])
+def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path, kind):
+  """kernels/gluon_trace.py: a trace build reads %clock64 and stores the stamps; the normal
+  build (every other test here) has no clock reads."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
+  cfg, bf16 = KernelConfig(engine="gluon"), jnp.dtype(jnp.bfloat16)
+  common = dict(kernel=cfg, out_dtype=bf16, num_sms=132, compute_capability=90, trace=True)
+  if kind == "gemm":
+    f, specs = (lambda a, b: gluon.launch_gemm(a, b, **common)), [(2048, 1024), (1024, 768)]
+  else:
+    launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
+    extra = dict(return_gathered=False) if kind == "ag" else {}
+    f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
+    specs = [(2048, 1024), (1024, 768), ((6,), np.uint32), ((1,), np.int32)]
+  specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
+           else jax.ShapeDtypeStruct(s, bf16) for s in specs]
+  out = jax.eval_shape(f, *specs)
+  assert out[1].shape[1:] == (257, 4) and out[1].dtype == np.int64
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  assert "%clock64" in ptx and "%globaltimer" in ptx
+  assert_scratch_is_the_operand(ptx)

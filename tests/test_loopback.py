@@ -137,3 +137,47 @@ def test_interleaved_timing_falls_back_to_wall_clock_without_device_events():
   for impl in "ab":
     ms, info = out[impl]
     assert ms > 0 and info["timing"] == "wall_clock" and len(info["round_ms"]) == 2
+
+
+def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
+  """bench/timeline.py on a synthetic trace: two CTAs at 2 cycles/ns, the second starting 1 µs
+  later; CTA 0 runs tiles 0 and 2, CTA 1 tile 1 (rows after a CTA's last tile stay zero)."""
+  from jax_autooverlap.bench import timeline
+  trace = np.zeros((2, 5, 4), np.int64)
+  # row 0: (globaltimer at start, clock at start, globaltimer at end, clock at end); real
+  # %globaltimer values are ~1.8e18 ns, beyond float64's ns resolution
+
+  trace[0, 0] = (1_800_000_000_000_010_000, 1_000, 1_800_000_000_000_040_000, 61_000)
+  trace[1, 0] = (1_800_000_000_000_011_000, 5_000, 1_800_000_000_000_040_000, 63_000)
+  # tiles: (tile, clock when its number came, main loop done, epilogue issued); ns from CTA 0's start
+  trace[0, 1] = (0, 3_000, 23_000, 25_000)    # ns: 1000, 11000, 12000
+  trace[0, 2] = (2, 27_000, 47_000, 49_000)   # ns: 13000, 23000, 24000
+  trace[1, 1] = (1, 9_000, 29_000, 31_000)    # ns: 3000, 13000, 14000
+  recs = timeline.tiles(trace)
+  assert [(r["cta"], r["tile"]) for r in recs] == [(0, 0), (0, 2), (1, 1)]
+  assert [r["got"] for r in recs] == [1_000, 13_000, 3_000]
+  s = timeline.summarize(trace, kind=lambda t: "even" if t % 2 == 0 else "odd")
+  assert s["ctas"] == 2 and s["tiles"] == 3 and s["tiles_per_cta"] == [1, 2]
+  assert s["main_us[even]"] == 10.0 and s["epilogue_us[odd]"] == 1.0
+  assert s["gap_us_median"] == 1.0  # CTA 0: tile 0's epilogue at 22 µs, tile 2's number at 23 µs
+  assert s["first_tile_at_us"] == [1.0, 2.0, 3.0] and s["last_epilogue_at_us"] == [14.0, 19.0, 24.0]
+  assert s["last_cta"] == {"tiles": 2, "first_tile_at_us": 1.0, "main_us_sum": 20.0,
+                           "epilogue_us_sum": 2.0, "gap_us_sum": 1.0, "end_at_us": 24.0}
+  assert timeline.summarize(np.zeros((2, 5, 4), np.int64)) == {"ctas": 0}
+
+
+def test_engine_benchmark_table_and_config_names(capsys):
+  from jax_autooverlap.bench import engine
+  recs = [{"local_gemm": [256, 128, 512], "config": "gemm_alone", "median_ms": 0.2,
+           "sm_clock_mhz_min": 1980.0},
+          {"local_gemm": [256, 128, 512], "config": "coop-128x256-s3", "median_ms": 0.21,
+           "sm_clock_mhz_min": 1980.0}]
+  table = engine.format_table(recs, ["coop-128x256-s3", "coop-128x128-s4"])
+  row = table.splitlines()[-1].split()
+  assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
+  for fields in engine.CONFIGS.values():  # every named config is one the engine takes
+    from jax_autooverlap.tuning.config import KernelConfig
+    KernelConfig(engine="gluon", **fields)
+  with pytest.raises(SystemExit):
+    engine.main(["--configs", "nope"])
+  assert "unknown config" in capsys.readouterr().err

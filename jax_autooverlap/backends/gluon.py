@@ -29,6 +29,16 @@ def diag_bits() -> int:
   return int(os.environ.get("AO_GLUON_DIAG", "0"))
 
 
+def trace_out_type(num_ctas: int, trace: bool):
+  """The trace operand of a launch (kernels/gluon_trace.py): [num_ctas, 1 + SLOTS, 4] int64 where
+  the launch records it (zeroed before: rows of tiles a CTA did not run stay 0), else a
+  4-element placeholder the kernel never touches."""
+  import numpy as np
+  from jax_autooverlap.kernels import gluon_trace
+  shape = (num_ctas, 1 + gluon_trace.SLOTS.value, gluon_trace.FIELDS.value) if trace else (4,)
+  return jax.ShapeDtypeStruct(shape, np.int64)
+
+
 def push_slice(k: int) -> int:
   """Columns of one AG push unit (kernels/gluon_ag_gemm.py): 512 (128 KB of a 128-row bf16 tile),
   or all of a narrower shard, a whole number of 64-column staging boxes."""
@@ -37,8 +47,10 @@ def push_slice(k: int) -> int:
 
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
-                   compute_capability: int | None = None, poison: bool = False):
-  """backends/triton.py's launch_ag_gemm, on the Gluon engine."""
+                   compute_capability: int | None = None, poison: bool = False,
+                   trace: bool = False):
+  """backends/triton.py's launch_ag_gemm, on the Gluon engine; trace: also return the
+  consumers' per-tile timeline (kernels/gluon_trace.py; the loopback benchmark's --trace)."""
   from jax_autooverlap.backends.triton import ag_grid, kernel_constants
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
@@ -46,20 +58,21 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   n = b.shape[1]
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
-  out, gathered, _ = jt.triton_call(
+  out, gathered, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_ag_gemm_kernel, name="ao_ag_gemm_gluon",
-      zeroed_outputs=(0, 1) if poison else (),
+      zeroed_outputs=((0, 1) if poison else ()) + ((2,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
-                scratch_out_type(num_ctas)),
+                trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
-      STAGES=kernel.num_stages, DIAG=diag_bits(),
+      STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
-  return (out, gathered) if return_gathered else out
+  result = (out, gathered) if return_gathered else out
+  return (result, timeline) if trace else result
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
-                compute_capability: int | None = None):
+                compute_capability: int | None = None, trace: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
@@ -67,31 +80,34 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
-  out, _ = jt.triton_call(
-      a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
-      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+  out, timeline, _ = jt.triton_call(
+      a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon", zeroed_outputs=(1,) if trace else (),
+      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), trace_out_type(num_ctas, trace),
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
-  return out
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
+  return (out, timeline) if trace else out
 
 
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
-                   compute_capability: int | None = None, poison: bool = False):
-  """backends/triton.py's launch_gemm_rs, on the Gluon engine."""
+                   compute_capability: int | None = None, poison: bool = False,
+                   trace: bool = False):
+  """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm)."""
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
-  out, _ = jt.triton_call(
+  out, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
-      zeroed_outputs=(0,) if poison else (),
-      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
+      zeroed_outputs=((0,) if poison else ()) + ((1,) if trace else ()),
+      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), trace_out_type(num_ctas, trace),
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
-      M=m, K=k, N=n, STAGES=kernel.num_stages, DIAG=diag_bits(),
+      M=m, K=k, N=n, STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
-  return out
+  return (out, timeline) if trace else out

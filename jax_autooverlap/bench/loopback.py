@@ -165,13 +165,19 @@ def _arm(table, compute_capability=None):
 
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
-                  compute_capability: int | None = None, return_gathered: bool = False):
+                  compute_capability: int | None = None, return_gathered: bool = False,
+                  trace: bool = False):
   """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
   shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
-  machine without a GPU)."""
+  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
   cc = dict(compute_capability=compute_capability)
+  import functools
   import jax
   from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs
+  if trace:
+    from jax_autooverlap.backends import gluon
+    launch_ag_gemm = functools.partial(gluon.launch_ag_gemm, trace=True)
+    launch_gemm_rs = functools.partial(gluon.launch_gemm_rs, trace=True)
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):
@@ -185,14 +191,16 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   return jax.jit(run)
 
 
-def engine_program(kernel, num_sms: int, compute_capability: int | None = None):
-  """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages."""
+def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
+                   trace: bool = False):
+  """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
+  (trace: (a @ b, the per-tile timeline))."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability)
+                       compute_capability=compute_capability, trace=trace)
   return jax.jit(run)
 
 
@@ -485,6 +493,36 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
           for impl, (ms, info), extra in records]
 
 
+def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
+  """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
+  Gluon kernel on this case: the timeline of the last of `calls` calls (bench/timeline.py)."""
+  import jax
+  from jax_autooverlap.bench import timeline
+  from jax_autooverlap.runtime import cuda
+  lb = Loopback(case, device)
+  num_sms = cuda.sm_count(device.local_hardware_id)
+  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
+  if cfg is None:
+    return {}, {}
+  rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
+  cols = case.n // WORLD if case.op == "ag" else case.n
+  per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
+  if case.op == "ag":
+    kind = lambda t: "local" if t < per_source else "peer"
+  else:
+    kind = lambda t: "own" if t >= (WORLD - 1) * per_source else "remote"
+  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
+          "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
+  summaries, raw = {}, {}
+  for name, (fn, args, k) in runs.items():
+    for _ in range(calls):
+      _, trace = jax.block_until_ready(fn(*args))
+    raw[name] = np.asarray(trace)
+    summaries[name] = timeline.summarize(raw[name], k)
+    _log(f"{case.op} {case.label} {name} timeline: {summaries[name]}")
+  return summaries, raw
+
+
 def format_table(op: str, records: list[dict]) -> str:
   by_shape: dict = {}
   for r in records:
@@ -525,6 +563,9 @@ def parse_args(argv):
                   help="diagnostic: AO_GLUON_DIAG bits for the Gluon kernel (backends/gluon.py); "
                        "timed even where the result is wrong")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
+  ap.add_argument("--trace", action="store_true",
+                  help="also record one call's per-tile timeline of the Gluon engine alone and the "
+                       "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
   ap.add_argument("--out", default="bench/results")
   return ap.parse_args(argv)
 
@@ -547,16 +588,26 @@ def main(argv=None) -> int:
     engines.remove("gluon")
   gpu, versions = gpus[0].device_kind.replace(" ", "-"), _versions()
   date = datetime.date.today().isoformat()
-  records = []
+  records, timelines, raw_traces = [], [], {}
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
+    if args.trace and "gluon" in engines:
+      summaries, raw = trace_case(case, gpus[0])
+      for impl, summary in summaries.items():
+        timelines.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "impl": impl,
+                          **summary, "gpu": gpu, "versions": versions, "date": date})
+      raw_traces.update({f"{case.label}/{impl}": t for impl, t in raw.items()})
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{gpu}-x1-{date}-{args.op}-loopback{args.tag}.json"
+  if timelines:
+    stem = path.stem + "-timeline"
+    (out_dir / f"{stem}.json").write_text(json.dumps(timelines, indent=1))
+    np.savez_compressed(out_dir / f"{stem}.npz", **raw_traces)
   path.write_text(json.dumps(records, indent=1))
   table = format_table(args.op, records)
   path.with_suffix(".txt").write_text(table + "\n")

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
 from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
@@ -167,6 +168,8 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
   while t < TOTAL:
     eng.publish_tile(tiles, tile_ready, tile_free, j, t)
     j += 1
+    # the next claim's atomic is in flight while this tile's loads are issued
+    claim = eng.claim_start(tile_counter)
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     if step == 0:  # this GPU's shard
       it = eng.load_tile(local_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready,
@@ -175,7 +178,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
       it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty,
                            it, my_flags, err_addr, M_SHARD, K, KS, WORLD, TM, TILES_PER_CHUNK,
                            MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
-    t = eng.claim_tile(tile_counter, NUM_CTAS)
+    t = eng.claimed_tile(claim, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
 
 
@@ -202,35 +205,42 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
 
 @gluon.jit
 def _consumer(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
-              K: gl.constexpr, BLOCK_K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr):
+              trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, WORLD: gl.constexpr,
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   BLOCK_M: gl.constexpr = o_desc.block_type.shape[1]
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[2]
+  trace.start(trace_ptr, TRACE)
   it = 0
   j = 0
   t = eng.next_tile(tiles, tile_ready, tile_free, j)
   while t < WORLD * TM * TN:
+    trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
     acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+    trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     eng.stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
     # 3-D output [src, row, col]: a ragged last tile row of a shard is clipped at its end
     eng.tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
   eng.finish_partition()
+  trace.end(trace_ptr, TRACE)
 
 
 @lean_launch
 @gluon.jit
 def gluon_ag_gemm_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
-    out_ptr, gathered_ptr, scratch_ptr,  # outputs (scratch: _compat.lean_launch)
+    out_ptr, gathered_ptr, trace_ptr, scratch_ptr,  # outputs (trace: gluon_trace.py; scratch:
+                                                    # _compat.lean_launch)
     M_SHARD: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, NUM_COMM: gl.constexpr,
     NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
@@ -262,7 +272,7 @@ def gluon_ag_gemm_kernel(
     mbarrier.init(mv_bars.index(i), count=1)
   gl.warp_specialize([
       (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   rank, K, BLOCK_K, WORLD, TM, TN, GROUP_M)),
+                   rank, trace_ptr, K, BLOCK_K, WORLD, TM, TN, GROUP_M, TRACE)),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),

@@ -44,6 +44,14 @@ PRODUCER_WARPS = gl.constexpr(1)
 # gives the rest of the register file to the consumers (224 per thread with 8 + 4 warps).
 PRODUCER_REGS = gl.constexpr(56)
 TILE_RING = gl.constexpr(2)       # tile numbers in flight between producer and consumers
+SOURCE_AT = 4
+
+
+@gluon.constexpr_function
+def source_block(k_blocks):
+  """The k-block behind whose MMA mma_tile loads its source: the 5th (by then the previous
+  tile's TMA store has read the epilogue buffer), or the tile's last where it has fewer."""
+  return min(SOURCE_AT, k_blocks - 1)
 
 
 @gluon.constexpr_function
@@ -104,7 +112,27 @@ def claim_tile(tile_counter, NUM_CTAS: gl.constexpr):
   """Producer: the next tile, dynamically (a CTA that finishes early takes more): tiles
   [0, NUM_CTAS) went out statically, the per-call counter (zero at the call's start) counts
   the rest."""
-  return NUM_CTAS + gl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  return claimed_tile(claim_start(tile_counter), NUM_CTAS)
+
+
+@gluon.jit
+def claim_start(tile_counter):
+  """Producer (one warp): claim_tile in two halves, so that the atomic's round trip overlaps
+  with what the producer does before it needs the tile (its current tile's loads).  Lane 0
+  adds 1 to the counter; the old value is in lane 0 only until claimed_tile broadcasts it
+  (gl.atomic_add would broadcast, and so wait for it, at once)."""
+  return tl.inline_asm_elementwise(
+      "{ .reg .pred p; .reg .b32 lane; mov.u32 lane, %laneid; setp.eq.u32 p, lane, 0; "
+      "mov.u32 $0, 0; @p atom.global.gpu.relaxed.add.u32 $0, [$1], 1; }",
+      "=r,l", [tile_counter], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def claimed_tile(claim, NUM_CTAS: gl.constexpr):
+  """Producer: the tile number of a claim_start, the same in every lane."""
+  gl.static_assert(PRODUCER_WARPS == 1, "claim_start/claimed_tile assume a one-warp producer")
+  return NUM_CTAS + tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r",
+                                              [claim], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -147,7 +175,7 @@ def load_tile(a_desc, row0, b_desc, col0, K: gl.constexpr, a_bufs, b_bufs, ready
 
 @gluon.jit
 def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, source=None, load_source=False):
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
@@ -158,14 +186,23 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
   entered with, so a `prev = it` copy made at the top of the loop body is
   silently frozen at its entry value (every release then went to one stage,
   the others were never freed, and the producer hung).
+
+  source = (desc, row, col, c_smem, bar): where load_source (the same in every
+  thread), the epilogue's source tile desc[row:, col:] is TMA-loaded into the
+  epilogue buffer c_smem (completion on bar) during the main loop, behind the
+  MMA of k-block SOURCE_AT, instead of after it.
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
+  KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
   acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
   for k in range(0, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+    if source is not None:
+      if load_source and k == source_block(KB) * BLOCK_K:
+        load_epilogue_source(source)
     # both warpgroups are past k-block it-1 before its stage is handed back
     tl.debug_barrier()
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
@@ -175,6 +212,24 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
   # K >= 1, so the loop ran and stage it-1 is the tile's last one
   mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
   return acc, it
+
+
+@gluon.jit
+def free_epilogue_buffer():
+  """Before a TMA load into the epilogue buffer: the last TMA store has read it, and every
+  thread's earlier generic-proxy reads of it are ordered before the async-proxy write."""
+  tma.store_wait(0)
+  fence_async_shared()
+  tl.debug_barrier()
+
+
+@gluon.jit
+def load_epilogue_source(source):
+  """TMA-load source = (desc, row, col, c_smem, bar) into the epilogue buffer c_smem."""
+  desc, row, col, c_smem, bar = source
+  free_epilogue_buffer()
+  mbarrier.expect(bar, desc.block_type.nbytes)
+  tma_load(desc, [row, col], bar, c_smem)
 
 
 @gluon.jit

@@ -11,17 +11,24 @@ The consumer warpgroups run the main loop and then, per tile:
   one TMA store into the owner's slot for this rank (a descriptor per peer,
   made once per CTA).  Its release is deferred to the next tile's epilogue,
   one main loop later: then every thread waits for its TMA stores to be
-  written (not only read from shared memory), fences, and after a CTA barrier
-  one thread adds 1 to the owner's arrival counter of the chunk (release,
-  system scope; gluon_sync.signal_after_tma_stores says why that covers every
-  issuing thread).  Pending releases are issued before any wait, so two GPUs
-  never wait on each other's held signals.
+  written (not only read from shared memory), fences, and hands the owner's
+  arrival counter of the chunk to the signaller warp (a third partition),
+  which adds 1 to it (release, system scope; gluon_sync.hand_off_release
+  says why that covers every issuing thread) while the consumers go on.
+  Pending releases are handed off before any wait, and the signaller never
+  waits on a peer, so two GPUs never wait on each other's held signals.
 - own rows: wait (acquire, bounded) for the chunk from every peer, then sum
   this GPU's partial and the peers' partials (TMA-loaded into the epilogue
   buffer, one at a time) in a fixed order: own partial first, then the peers
   in rank order.  The order is fixed per owner, so results are bit-identical
   run to run whatever the arrival order (it differs from the `tl` kernel's
   0..world-1 order, which would keep a second fp32 tile live in registers).
+  The first peer's partial usually comes early: the producer takes one look
+  (acquire, system scope) at its arrival counter before publishing an own
+  tile and, where it has arrived, tags the tile number (PREFETCH); the
+  consumers then TMA-load that partial into the epilogue buffer while the
+  tile's first MMA runs (gluon_engine.mma_tile's source), off the tensor
+  cores' critical path.
 Every own tile is handed out after every remote tile on every GPU, so the
 tiles it waits for are already claimed on the peers (deadlock-free, as the
 `tl` kernel); no CTA waits for a CTA of its own GPU.
@@ -29,24 +36,34 @@ tiles it waits for are already claimed on the peers (deadlock-free, as the
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
-                                                signal_after_tma_stores)
+from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, alloc_mailbox, call_state,
+                                                finish_call, hand_off_release, post, signaller)
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
                                           wait_at_least)
 
 
+# Tile numbers the producer publishes carry PREFETCH when the consumers should load the
+# first peer's partial of that (own) tile during its main loop.
+PREFETCH = gl.constexpr(1 << 30)
+SIGNALLER_WARPS = gl.constexpr(1)
+SIGNALLER_REGS = gl.constexpr(56)
+
+
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-              table_ptr, rank_ptr, M_OUT: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
-              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, NUM_CTAS: gl.constexpr,
-              FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr):
+              table_ptr, rank_ptr, out_ptr, M_OUT: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
+              WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, DIAG: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
+  gl.static_assert(TOTAL < PREFETCH, "tile numbers overlap the prefetch tag")
   rank = gl.load(rank_ptr)
   # The first tile (static) is loaded before the rank -> table -> epoch chain is waited for;
   # the per-call counter's address depends on the epoch.
@@ -54,16 +71,24 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   eng.publish_tile(tiles, tile_ready, tile_free, 0, t)
   it = _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, gl.to_tensor(0), M_OUT, K,
                   WORLD, TM, TN, GROUP_M)
-  _, _, header, _, parity, _ = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
+  _, ws, header, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
+                                                  MAX_CHUNKS)
   tile_counter = header + 2 + parity
+  my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_ptr.dtype.element_ty)) \
+      + parity.to(gl.int64) * WORLD * M_OUT * N
   j = 1
   t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
-    eng.publish_tile(tiles, tile_ready, tile_free, j, t)
+    look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN, GROUP_M,
+                                  TILES_PER_CHUNK, MAX_CHUNKS, a_desc.block_type.shape[0],
+                                  b_desc.block_type.shape[1], DIAG)
+    eng.publish_tile(tiles, tile_ready, tile_free, j, t + look * PREFETCH)
     j += 1
+    # the next claim's atomic is in flight while this tile's loads are issued
+    claim = eng.claim_start(tile_counter)
     it = _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, M_OUT, K, WORLD, TM,
                     TN, GROUP_M)
-    t = eng.claim_tile(tile_counter, NUM_CTAS)
+    t = eng.claimed_tile(claim, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
 
 
@@ -83,37 +108,59 @@ def _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, M_OUT:
 
 
 @gluon.jit
-def _prefetch_partial(t, part_desc, c_smem, part_bar, my_flags, rank, first, M_OUT: gl.constexpr,
-                      WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
-                      GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
-                      MAX_CHUNKS: gl.constexpr, DIAG: gl.constexpr):
-  """Consumers, before tile t's main loop: if t is an own tile whose first peer partial has
-  arrived (one look, never a wait: no deadlock), TMA-load that partial into the epilogue
-  buffer, behind the main loop.  Returns 1 if it did."""
-  BLOCK_M: gl.constexpr = part_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = part_desc.block_type.shape[1]
+def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: gl.constexpr,
+                           WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
+                           GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
+                           MAX_CHUNKS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           DIAG: gl.constexpr):
+  """Producer: 1 if t is an own tile whose partial from the first peer of the summation order
+  has arrived (one look, acquire, system scope, never a wait: the producer must not block
+  while the consumers hold a deferred release), else 0.  The look's latency overlaps with the
+  consumers' previous tile; they then load that partial during the tile's main loop.  Where
+  it has arrived, the partial is also prefetched into L2 now: the consumers' TMA load of it
+  then reads L2, not DRAM, and does not hold the operand loads up behind it (measured: a
+  64 KB load from DRAM in the main loop cost the tile ~2,000 cycles)."""
   step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
   c = tm // TILES_PER_CHUNK
   expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
-  prefetched = 0
+  first = (rank == 0).to(gl.int32)
+  look = 0
   if (rank + 1 + step) % WORLD == rank and (DIAG & 6) == 0:
-    if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.NUM_WARPS):
-      fence_proxy_async()
-      free_epilogue_buffer()
-      mbarrier.expect(part_bar, part_desc.block_type.nbytes)
-      eng.tma_load(part_desc, [first * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
-      prefetched = 1
-  return prefetched
+    if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.PRODUCER_WARPS):
+      look = 1
+      prefetch_l2(my_slots + (first * M_OUT + tm * BLOCK_M).to(gl.int64) * N + tn * BLOCK_N,
+                  M_OUT - tm * BLOCK_M, N - tn * BLOCK_N, N, BLOCK_M, BLOCK_N)
+  return look
+
+
+@gluon.jit
+def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+  """One warp: prefetch.global.L2 every 128-byte line of the tile base[:BLOCK_M, :BLOCK_N]
+  (row stride `stride` elements) that lies within its first rows x cols elements."""
+  LINE: gl.constexpr = 128 // (base.dtype.element_ty.primitive_bitwidth // 8)  # elements
+  LINES: gl.constexpr = BLOCK_M * ((BLOCK_N + LINE - 1) // LINE)
+  layout: gl.constexpr = gl.BlockedLayout([(LINES + 31) // 32], [32], [1], [0])
+  i = gl.arange(0, LINES, layout=layout)
+  r = i // ((BLOCK_N + LINE - 1) // LINE)
+  col = (i % ((BLOCK_N + LINE - 1) // LINE)) * LINE
+  inside = ((r < rows) & (col < cols)).to(gl.int32)
+  gl.inline_asm_elementwise(
+      "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+      "=r,l,r", [base + r.to(gl.int64) * stride + col, inside], dtype=gl.int32, is_pure=False,
+      pack=1)
 
 
 @gluon.jit
 def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
-              tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K: gl.constexpr,
+              tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, my_flags, err_addr,
+              rank, parity, trace_ptr,
+              K: gl.constexpr,
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
-              OP_ID: gl.constexpr, DIAG: gl.constexpr):
+              OP_ID: gl.constexpr, DIAG: gl.constexpr, TRACE: gl.constexpr):
   BLOCK_M: gl.constexpr = o_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
@@ -123,10 +170,13 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   # the first main loop runs before anything that depends on this call's epoch (rank ->
   # table -> epoch, loaded meanwhile).  Every CTA has a first tile (grid <= tiles).
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
+  trace.start(trace_ptr, TRACE)
   it = 0
   j = 0
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  t = eng.next_tile(tiles, tile_ready, tile_free, j)  # the static first tile: never tagged
+  trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
   acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+  trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
   # The peers' partials of this GPU's rows, and one descriptor per peer r for the pushes:
   # r's slot for this rank (the one for r == rank is never used).
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
@@ -140,10 +190,12 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   loads = 0  # partial tiles TMA-loaded so far: phase of part_bar
   pending = 0  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
+  signals = 0  # releases handed to the signaller so far
   prefetched = 0  # the first tile's partial was not prefetched
-  while t < TOTAL:
+  while t < TOTAL:  # (t untagged)
     if pending != 0:
-      signal_after_tma_stores(pending_flag)
+      hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, eng.NUM_WARPS)
+      signals += 1
       pending = 0
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     owner = (rank + 1 + step) % WORLD
@@ -163,46 +215,50 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
           if r != first or prefetched == 0:
             wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
                           TIMEOUT_NS)
-            free_epilogue_buffer()
-            mbarrier.expect(part_bar, part_desc.block_type.nbytes)
-            eng.tma_load(part_desc, [r * M_OUT + tm * BLOCK_M, tn * BLOCK_N], part_bar, c_smem)
+            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M, tn * BLOCK_N, c_smem,
+                                      part_bar))
           mbarrier.wait(part_bar, loads & 1)
           loads += 1
           acc += c_smem.load(acc.type.layout).to(gl.float32)
           tl.debug_barrier()  # every warp has read the partial before the buffer is reused
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
-    prefetched = 0
+    prefetched = (t >= PREFETCH).to(gl.int32)
+    t = t % PREFETCH
     if t < TOTAL:
-      prefetched = _prefetch_partial(t, part_desc, c_smem, part_bar, my_flags, rank, first, M_OUT,
-                                     WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS, DIAG)
-      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+      # a tagged (own) tile: the first peer's partial has arrived (the producer's acquire,
+      # handed on through the tile ring's mbarrier); loaded behind the main loop's first MMA
+      _, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+      if prefetched != 0:
+        fence_proxy_async()
+      trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
+      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N,
+                             (part_desc, first * M_OUT + tm * BLOCK_M, tn * BLOCK_N, c_smem,
+                              part_bar), prefetched != 0)
+      trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
   if pending != 0:
-    signal_after_tma_stores(pending_flag)
+    hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, eng.NUM_WARPS)
+    signals += 1
+  post(sig_box, sig_ready, sig_free, signals, 0, eng.NUM_WARPS)  # the signaller's end
   eng.finish_partition()
-
-
-@gluon.jit
-def free_epilogue_buffer():
-  """Before a TMA load into the epilogue buffer: the last TMA store has read it, and every
-  thread's earlier generic-proxy reads of it are ordered before the async-proxy write."""
-  eng.tma.store_wait(0)
-  fence_async_shared()
-  tl.debug_barrier()
+  trace.end(trace_ptr, TRACE)
 
 
 @lean_launch
 @gluon.jit
 def gluon_gemm_rs_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
-    out_ptr, scratch_ptr,               # outputs: [M / WORLD, N]; scratch (_compat.lean_launch)
+    out_ptr, trace_ptr, scratch_ptr,    # outputs: [M / WORLD, N]; trace (gluon_trace.py); scratch
+                                        # (_compat.lean_launch)
     M: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
     BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
@@ -226,15 +282,18 @@ def gluon_gemm_rs_kernel(
   c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
   part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
   mbarrier.init(part_bar, count=1)
+  sig_box, sig_ready, sig_free = alloc_mailbox()
   gl.warp_specialize([
       (_consumer, (my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
-                   tiles, tile_ready, tile_free, table_ptr, my_flags, err_addr, rank, parity, K,
-                   BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF,
-                   MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),
+                   tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, my_flags,
+                   err_addr, rank, parity,
+                   trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK,
+                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   table_ptr, rank_ptr, M_OUT, K, WORLD, TM, TN, GROUP_M, NUM_CTAS, FLAGS_OFF,
-                   MAX_CHUNKS)),
-  ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
+                   table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
+                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG)),
+      (signaller, (sig_box, sig_ready, sig_free)),
+  ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.NUM_WARPS)

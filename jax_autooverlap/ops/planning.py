@@ -104,8 +104,17 @@ def _autotuned(op, verdict: select.Verdict, config: OverlapConfig, mesh, axis_na
   why_not = autotune.why_not()
   if why_not:
     return dataclasses.replace(verdict, reason=f"{verdict.reason}; {why_not}")
+  rows, k, cols = sizes
+  shard_rows = rows if op == "ag_rows" else rows // mesh.shape[axis_name]
+  candidates = select.with_engines(op[:2], verdict.candidates, _compute_capability(mesh),
+                                   (shard_rows, k, cols), dtype, out_dtype)
   time_program = functools.partial(_time_program, op, mesh, axis_name, sizes, dtype, out_dtype)
-  return autotune.tune(op[:2], verdict, time_program)
+  return autotune.tune(op[:2], dataclasses.replace(verdict, candidates=candidates), time_program)
+
+
+def _compute_capability(mesh):
+  """The mesh's GPUs' compute capability ("9.0"), None where the devices do not say."""
+  return getattr(np.asarray(mesh.devices).flat[0], "compute_capability", None)
 
 
 def _time_program(op, mesh, axis_name, sizes, dtype, out_dtype, kernel: KernelConfig | None,

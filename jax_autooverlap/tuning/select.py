@@ -38,6 +38,11 @@ KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 CHUNKS = (4, 8, 16, 2)
 MOVERS = (8, 16, 32)
 AUTOTUNE_CANDIDATES = 3
+# Autotuning also times the model's best config on the Gluon engine (sm_90, 16-bit operands),
+# which the model does not rank (its tile costs are the tl kernels'); AG with these mover
+# warps (the Gluon AG push rate grows with the movers: bench/NOTES.md, two H200s).
+GLUON_MOVERS = (32, 64)
+GLUON_CAPABILITY = "9.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,26 @@ def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[Kerne
         out.append(dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, chunks=chunks,
                                        num_comm=movers))
   return out
+
+
+def with_engines(op: str, candidates: tuple, compute_capability, sizes: tuple[int, int, int],
+                 dtype, out_dtype) -> tuple:
+  """Autotuning candidates: the model's, then its best config on the Gluon engine where that
+  runs (compute capability 9.0, 16-bit operands; AG once per GLUON_MOVERS): the tuner chooses
+  between engines by measurement.  sizes: (rows per GPU, K, N) as `unsupported` takes them."""
+  if not candidates or str(compute_capability) != GLUON_CAPABILITY:
+    return candidates
+  best = candidates[0]
+  movers = GLUON_MOVERS if op == "ag" else (best.num_comm,)
+  extra = []
+  for m in movers:
+    try:
+      cfg = dataclasses.replace(best, engine="gluon", num_comm=m)
+    except ValueError:  # the model's tiles do not fit the engine
+      continue
+    if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in candidates:
+      extra.append(cfg)
+  return tuple(candidates) + tuple(extra)
 
 
 def _describe(cfg: KernelConfig, op: str) -> str:

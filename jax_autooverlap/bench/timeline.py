@@ -1,0 +1,71 @@
+"""Per-tile timelines of the Gluon kernels (kernels/gluon_trace.py): from clock stamps to times.
+
+A trace is int64 [ctas, 1 + SLOTS, 4] as the kernels write it.  `tiles` turns it into one
+record per tile in ns on a common time base (each CTA's %clock64 scaled by the clock rate
+seen between its two %globaltimer reads, anchored at the first); `summarize` into what the
+loopback benchmark prints: per tile the main loop, the epilogue and the gap before the next
+tile (the consumers waiting for its number or its first stage), per CTA the lead (start to
+first tile) and its end, and for the CTA that ends last (which sets the kernel's time) where
+its time went.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def tiles(trace: np.ndarray) -> list[dict]:
+  """[{cta, j, tile, got, main_done, epilogue_done, start, end}] of every recorded tile: ns from
+  the first CTA's start."""
+  trace = np.asarray(trace, np.int64)
+  started = trace[:, 0, 0][trace[:, 0, 0] > 0]
+  base = int(started.min()) if started.size else 0  # %globaltimer (~1.8e18 ns) is too large for
+  out = []                                          # float64 to hold to the ns: times from base
+  for cta, rows in enumerate(trace):
+    gt0, clk0, gt1, clk1 = (int(x) for x in rows[0])
+    if gt1 <= gt0 or clk1 <= clk0:  # the CTA did not finish recording: skip it
+      continue
+    rate = (clk1 - clk0) / (gt1 - gt0)  # cycles per ns
+    gt0 -= base
+    ns = lambda clk: gt0 + (int(clk) - clk0) / rate
+    for j, (t, got, main, epi) in enumerate(rows[1:]):
+      if got == 0:
+        break
+      out.append({"cta": cta, "j": j, "tile": int(t), "start": gt0, "end": ns(clk1),
+                  "got": ns(got), "main_done": ns(main), "epilogue_done": ns(epi)})
+  return out
+
+
+def summarize(trace: np.ndarray, kind=None) -> dict:
+  """Medians and sums in µs; kind(tile) -> label splits the per-tile numbers (e.g. own/remote)."""
+  recs = tiles(trace)
+  if not recs:
+    return {"ctas": 0}
+  t0 = min(r["start"] for r in recs)
+  by_cta: dict[int, list] = {}
+  for r in recs:
+    by_cta.setdefault(r["cta"], []).append(r)
+  us = lambda x: round(float(x) / 1e3, 3)
+  out = {"ctas": len(by_cta), "tiles": len(recs),
+         "tiles_per_cta": [min(map(len, by_cta.values())), max(map(len, by_cta.values()))]}
+  groups = {}
+  for r in recs:
+    groups.setdefault(kind(r["tile"]) if kind else "all", []).append(r)
+  for label, rs in sorted(groups.items()):
+    out[f"main_us[{label}]"] = us(np.median([r["main_done"] - r["got"] for r in rs]))
+    out[f"epilogue_us[{label}]"] = us(np.median([r["epilogue_done"] - r["main_done"] for r in rs]))
+  gaps = [b["got"] - a["epilogue_done"] for rs in by_cta.values() for a, b in zip(rs, rs[1:])]
+  out["gap_us_median"] = us(np.median(gaps)) if gaps else None
+  out["gap_us_max"] = us(max(gaps)) if gaps else None
+  leads = [rs[0]["got"] - t0 for rs in by_cta.values()]
+  out["first_tile_at_us"] = [us(min(leads)), us(np.median(leads)), us(max(leads))]
+  ends = [rs[-1]["epilogue_done"] - t0 for rs in by_cta.values()]
+  out["last_epilogue_at_us"] = [us(min(ends)), us(np.median(ends)), us(max(ends))]
+  last = max(by_cta.values(), key=lambda rs: rs[-1]["epilogue_done"])
+  out["last_cta"] = {
+      "tiles": len(last),
+      "first_tile_at_us": us(last[0]["got"] - t0),
+      "main_us_sum": us(sum(r["main_done"] - r["got"] for r in last)),
+      "epilogue_us_sum": us(sum(r["epilogue_done"] - r["main_done"] for r in last)),
+      "gap_us_sum": us(sum(b["got"] - a["epilogue_done"] for a, b in zip(last, last[1:]))),
+      "end_at_us": us(last[-1]["epilogue_done"] - t0)}
+  return out
