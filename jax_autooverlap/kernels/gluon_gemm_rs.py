@@ -177,14 +177,20 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
   acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
   trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
-  # The peers' partials of this GPU's rows, and one descriptor per peer r for the pushes:
-  # r's slot for this rank (the one for r == rank is never used).
+  # The peers' partials of this GPU's rows, and per peer r for the pushes a descriptor of
+  # r's slot for this rank and r's arrival counters from this rank (those for r == rank are
+  # never used): the address table is read here, once per CTA, not in an epilogue (a load
+  # there stalled every remote tile's epilogue by ~800 cycles: bench/NOTES.md).
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
   peer_descs = ()
+  peer_flags = ()
   for r in gl.static_range(WORLD):
-    slot = (table_address(table_ptr, r) + BUF_OFF).to(gl.pointer_type(out_dtype)) \
+    ws_r = table_address(table_ptr, r)
+    slot = (ws_r + BUF_OFF).to(gl.pointer_type(out_dtype)) \
         + (parity * WORLD + rank).to(gl.int64) * SLOT
     peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
+    peer_flags = peer_flags + ((ws_r + FLAGS_OFF).to(gl.pointer_type(gl.int32))
+                               + (parity * WORLD + rank) * MAX_CHUNKS,)
   # the first peer of the fixed summation order (own partial, then peers in rank order)
   first = (rank == 0).to(gl.int32)
   loads = 0  # partial tiles TMA-loaded so far: phase of part_bar
@@ -205,8 +211,7 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
       for r in gl.static_range(WORLD):
         if r == owner:
           eng.tma_store(peer_descs[r], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-      pending_flag = (table_address(table_ptr, owner) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
-          + (parity * WORLD + rank) * MAX_CHUNKS + c
+          pending_flag = peer_flags[r] + c
       pending = 1 - (DIAG & 1)
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
