@@ -173,11 +173,13 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   cc = dict(compute_capability=compute_capability)
   import functools
   import jax
-  from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs
-  if trace:
-    from jax_autooverlap.backends import gluon
-    launch_ag_gemm = functools.partial(gluon.launch_ag_gemm, trace=True)
-    launch_gemm_rs = functools.partial(gluon.launch_gemm_rs, trace=True)
+  if trace:  # the Gluon launchers themselves: only they record a timeline
+    from jax_autooverlap.backends import gluon as backend
+  else:
+    from jax_autooverlap.backends import triton as backend
+  extra = dict(trace=True) if trace else {}
+  launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
+  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):
