@@ -181,3 +181,34 @@ def test_engine_benchmark_table_and_config_names(capsys):
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err
+
+
+def test_notebook_timeline_cell_plots_the_newest_trace(tmp_path, monkeypatch, capsys):
+  """The notebook's timeline cell says when there is no trace, else plots one bar per main loop
+  and per epilogue of the first 16 CTAs and prints each contestant's summary."""
+  import pathlib
+  import sys
+  import unittest.mock
+  nb = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "explore.ipynb").read_text())
+  cell = next("".join(c["source"]) for c in nb["cells"]
+              if c["cell_type"] == "code" and "-timeline.npz" in "".join(c["source"]))
+  monkeypatch.chdir(tmp_path)
+  exec(cell, {})
+  assert "no *-timeline.npz results yet" in capsys.readouterr().out
+  trace = np.zeros((2, 3, 4), np.int64)
+  trace[:, 0] = (1_000, 0, 21_000, 40_000)  # 2 cycles per ns
+  trace[:, 1] = (0, 2_000, 20_000, 22_000)
+  (tmp_path / "bench" / "results" / "run").mkdir(parents=True)
+  np.savez(tmp_path / "bench" / "results" / "run" / "x-rs-loopback-timeline.npz",
+           **{"8192x4096x4096/ours": trace})
+  plt = unittest.mock.MagicMock()
+  ax = unittest.mock.MagicMock()
+  axes = np.empty((1, 1), dtype=object)  # (np.array would unpack the mock as a sequence)
+  axes[0, 0] = ax
+  plt.subplots.return_value = (unittest.mock.MagicMock(), axes)
+  monkeypatch.setitem(sys.modules, "matplotlib", unittest.mock.MagicMock(pyplot=plt))
+  monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
+  exec(cell, {})
+  out = capsys.readouterr().out
+  assert "8192x4096x4096/ours: 2 tiles on 2 CTAs, last epilogue at 11.0 us" in out
+  assert ax.barh.call_count == 4 and plt.show.called  # main loop + epilogue per tile
