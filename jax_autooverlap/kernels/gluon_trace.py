@@ -8,23 +8,16 @@ when its main loop had finished, and when its epilogue had issued its TMA store)
 past SLOTS are not recorded.  The clock is the SM's cycle counter (bench/loopback.py turns it
 into ns with the clock rate seen between the CTA's two %globaltimer reads).
 """
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from jax_autooverlap.kernels.sync import globaltimer
+from jax_autooverlap.kernels.sync import clock64, globaltimer
 
 SLOTS = gl.constexpr(256)
 FIELDS = gl.constexpr(4)
 GOT_TILE = gl.constexpr(1)
 MAIN_DONE = gl.constexpr(2)
 EPILOGUE_DONE = gl.constexpr(3)
-
-
-@gluon.jit
-def clock64():
-  return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
-                                   is_pure=False, pack=1)
 
 
 @gluon.jit

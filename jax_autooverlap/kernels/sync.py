@@ -22,7 +22,18 @@ ERROR_SLOT_OFFSET = tl.constexpr(128)
 
 @triton.jit
 def globaltimer():
-  return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+  return _special_register_u64("%globaltimer")
+
+
+@triton.jit
+def clock64():
+  """The SM's cycle counter (kernels/gluon_trace.py)."""
+  return _special_register_u64("%clock64")
+
+
+@triton.jit
+def _special_register_u64(NAME: tl.constexpr):
+  return tl.inline_asm_elementwise("mov.u64 $0, " + NAME + ";", "=l", [], dtype=tl.int64,
                                    is_pure=False, pack=1)
 
 
