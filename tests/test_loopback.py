@@ -158,6 +158,7 @@ def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
   assert [r["got"] for r in recs] == [1_000, 13_000, 3_000]
   s = timeline.summarize(trace, kind=lambda t: "even" if t % 2 == 0 else "odd")
   assert s["ctas"] == 2 and s["tiles"] == 3 and s["tiles_per_cta"] == [1, 2]
+  assert s["sm_clock_ghz"] == 2.0
   assert s["main_us[even]"] == 10.0 and s["epilogue_us[odd]"] == 1.0
   assert s["gap_us_median"] == 1.0  # CTA 0: tile 0's epilogue at 22 µs, tile 2's number at 23 µs
   assert s["first_tile_at_us"] == [1.0, 2.0, 3.0] and s["last_epilogue_at_us"] == [14.0, 19.0, 24.0]

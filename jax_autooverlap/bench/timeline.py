@@ -14,8 +14,8 @@ import numpy as np
 
 
 def tiles(trace: np.ndarray) -> list[dict]:
-  """[{cta, j, tile, got, main_done, epilogue_done, start, end}] of every recorded tile: ns from
-  the first CTA's start."""
+  """[{cta, j, tile, got, main_done, epilogue_done, start, end, ghz}] of every recorded tile: ns
+  from the first CTA's start; ghz: its CTA's SM clock over the kernel (cycles per ns)."""
   trace = np.asarray(trace, np.int64)
   started = trace[:, 0, 0][trace[:, 0, 0] > 0]
   base = int(started.min()) if started.size else 0  # %globaltimer (~1.8e18 ns) is too large for
@@ -30,7 +30,7 @@ def tiles(trace: np.ndarray) -> list[dict]:
     for j, (t, got, main, epi) in enumerate(rows[1:]):
       if got == 0:
         break
-      out.append({"cta": cta, "j": j, "tile": int(t), "start": gt0, "end": ns(clk1),
+      out.append({"cta": cta, "j": j, "tile": int(t), "start": gt0, "end": ns(clk1), "ghz": rate,
                   "got": ns(got), "main_done": ns(main), "epilogue_done": ns(epi)})
   return out
 
@@ -45,7 +45,10 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
   for r in recs:
     by_cta.setdefault(r["cta"], []).append(r)
   us = lambda x: round(float(x) / 1e3, 3)
+  # the SM clock during the kernel: under the power cap it sits well below what nvidia-smi's
+  # coarse samples between kernels report
   out = {"ctas": len(by_cta), "tiles": len(recs),
+         "sm_clock_ghz": round(float(np.median([rs[0]["ghz"] for rs in by_cta.values()])), 3),
          "tiles_per_cta": [min(map(len, by_cta.values())), max(map(len, by_cta.values()))]}
   groups = {}
   for r in recs:
