@@ -25,10 +25,10 @@ The consumer warpgroups run the main loop and then, per tile:
   0..world-1 order, which would keep a second fp32 tile live in registers).
   The first peer's partial usually comes early: the producer takes one look
   (acquire, system scope) at its arrival counter before publishing an own
-  tile and, where it has arrived, tags the tile number (PREFETCH); the
-  consumers then TMA-load that partial into the epilogue buffer while the
-  tile's first MMA runs (gluon_engine.mma_tile's source), off the tensor
-  cores' critical path.
+  tile and, where it has arrived, prefetches it into L2 and tags the tile
+  number (PREFETCH); the consumers then TMA-load that partial into the
+  epilogue buffer behind an MMA of the tile's main loop (gluon_engine.mma_tile's
+  source), off the tensor cores' critical path.
 Every own tile is handed out after every remote tile on every GPU, so the
 tiles it waits for are already claimed on the peers (deadlock-free, as the
 `tl` kernel); no CTA waits for a CTA of its own GPU.
