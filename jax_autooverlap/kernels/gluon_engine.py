@@ -215,6 +215,41 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
 
 
 @gluon.jit
+def load_blocks(a_desc, row0, b_desc, col0, kb0, kb1, a_bufs, b_bufs, ready, empty, it):
+  """Producer: load_tile for k-blocks [kb0, kb1) only (runtime bounds: a stream-K piece)."""
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+  nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+  for kb in range(kb0, kb1):
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), nbytes)
+    tma_load(a_desc, [row0, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
+    tma_load(b_desc, [kb * BLOCK_K, col0], ready.index(s), b_bufs.index(s))
+    it += 1
+  return it
+
+
+@gluon.jit
+def mma_blocks(a_bufs, b_bufs, ready, empty, it, n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+  """Consumers: mma_tile over n >= 1 k-blocks (a runtime count: a stream-K piece), no hooks."""
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
+  for i in range(0, n):
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+    tl.debug_barrier()
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=i > 0)
+    it += 1
+  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+  tl.debug_barrier()
+  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+  return acc, it
+
+
+@gluon.jit
 def free_epilogue_buffer():
   """Before a TMA load into the epilogue buffer: the last TMA store has read it, and every
   thread's earlier generic-proxy reads of it are ordered before the async-proxy write."""
