@@ -399,3 +399,17 @@ def test_gluon_autotune_candidates_only_where_the_engine_runs():
   assert select.with_engines("ag", ranked, "9.0", sizes, np.float32, np.float32) == ranked
   tl_only = (KernelConfig(block_m=64, num_warps=4),)  # tiles the Gluon engine does not take
   assert select.with_engines("ag", tl_only, "9.0", sizes, BF16, BF16) == tl_only
+
+
+def test_fit_reads_only_tl_kernel_records(tmp_path):
+  """The model describes the tl kernels: a benchmark file whose best fused config ran on the
+  Gluon engine contributes its unfused and GEMM records, not that fused time."""
+  base = {"op": "ag", "m": 4096, "k": 8192, "n": 8192, "world_size": 2, "dtype": "bfloat16",
+          "gpu": "NVIDIA-H200"}
+  records = [{**base, "impl": "unfused", "median_ms": 0.53},
+             {**base, "impl": "ours", "median_ms": 0.39, "kernel": {"engine": "gluon"}},
+             {**base, "impl": "ours", "median_ms": 0.40, "kernel": {"chunks": 4}},  # tl (older)
+             {**base, "impl": "gemm_alone", "median_ms": 0.37, "mode": "loopback"}]
+  (tmp_path / "r.json").write_text(json.dumps(records))
+  got = fit.load_records([tmp_path])
+  assert [(r["impl"], r["median_ms"]) for r in got] == [("unfused", 0.53), ("ours", 0.40)]

@@ -91,7 +91,8 @@ class Shape:
 def load_records(paths) -> list[dict]:
   """Benchmark records from JSON files or directories of them: the benchmark's record lists
   and the records inside calibration files (other JSON is skipped, and so are loopback
-  records: one GPU standing in for a group, not a group's timing)."""
+  records: one GPU standing in for a group, not a group's timing; and fused-kernel records of
+  an engine other than `tl`: the model's tile costs and movers describe the tl kernels)."""
   out = []
   for p in map(pathlib.Path, paths):
     for f in (sorted(p.glob("*.json")) if p.is_dir() else [p]):
@@ -100,7 +101,8 @@ def load_records(paths) -> list[dict]:
         data = data.get("measurements", {}).get("records", [])
       if isinstance(data, list):
         out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)
-                and r.get("mode") != "loopback"]
+                and r.get("mode") != "loopback"
+                and (r.get("kernel") or {}).get("engine", "tl") == "tl"]
   return out
 
 
