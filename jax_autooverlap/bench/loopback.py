@@ -24,6 +24,8 @@ Contestants, run interleaved (rounds of back-to-back calls of each in turn):
   ours_tl     the fused kernel with the plain `tl` engine
   engine_alone  the Gluon engine's plain GEMM (kernels/gluon_gemm.py) on the same
               local work, same tiles: what the fused kernel costs over its engine
+              (in the table; its records go to *-engine-alone.json with mode "engine",
+              so the *-loopback.json records are gemm_alone, ours and ours_tl)
 Times are device times of the contestant's kernels (jax.profiler, CUPTI),
 without the loopback set-up kernel: per round the mean per call, then the
 median over rounds (`round_ms` keeps every round: the spread, e.g. under the
@@ -605,12 +607,15 @@ def main(argv=None) -> int:
       raw_traces.update({f"{case.label}/{impl}": t for impl, t in raw.items()})
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"{gpu}-x1-{date}-{args.op}-loopback{args.tag}.json"
+  stem = f"{gpu}-x1-{date}-{args.op}"
+  path = out_dir / f"{stem}-loopback{args.tag}.json"
   if timelines:
-    stem = path.stem + "-timeline"
-    (out_dir / f"{stem}.json").write_text(json.dumps(timelines, indent=1))
-    np.savez_compressed(out_dir / f"{stem}.npz", **raw_traces)
-  path.write_text(json.dumps(records, indent=1))
+    (out_dir / f"{stem}-timeline{args.tag}.json").write_text(json.dumps(timelines, indent=1))
+    np.savez_compressed(out_dir / f"{stem}-timeline{args.tag}.npz", **raw_traces)
+  engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
+  if engine:
+    (out_dir / f"{stem}-engine-alone{args.tag}.json").write_text(json.dumps(engine, indent=1))
+  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
   table = format_table(args.op, records)
   path.with_suffix(".txt").write_text(table + "\n")
   print(table)
