@@ -72,3 +72,24 @@ def test_loopback_benchmark_writes_records(tmp_path):
   for r in records:
     assert r["mode"] == "loopback" and r["world_size"] == 2 and r["median_ms"] > 0
     assert (r["m"], r["k"], r["n"]) == (1024, 2048, 1024)
+
+
+@pytest.mark.skipif("gluon" not in ENGINES, reason="the timeline is the Gluon kernels'")
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
+  """--trace builds (kernels/gluon_trace.py) only add clock stamps: the same output bit for bit
+  as the plain build, and a timeline row for every tile."""
+  from jax_autooverlap.bench import timeline
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import check_errors
+  case = lb.Case(op, 4096, 8192, 8192)
+  loop = lb.Loopback(case, GPUS[0], seed=11)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, ["gluon"])["gluon"]
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  plain = np.asarray(lb.fused_program(case, cfg, sms)(*loop.fused_args()))
+  out, trace = lb.fused_program(case, cfg, sms, trace=True)(*loop.fused_args())
+  check_errors()
+  np.testing.assert_array_equal(np.asarray(out), plain)
+  rows, cols = case.m // 2, (case.n // 2 if op == "ag" else case.n)
+  tiles = 2 * -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
+  assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))

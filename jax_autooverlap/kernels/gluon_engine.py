@@ -90,13 +90,44 @@ def alloc_pipeline(a_desc, b_desc, STAGES: gl.constexpr):
   for s in gl.static_range(STAGES):
     mbarrier.init(ready.index(s), count=1)
     mbarrier.init(empty.index(s), count=1)
-  tiles = gl.allocate_shared_memory(gl.int32, [TILE_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-  tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
-  tile_free = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
-  for s in gl.static_range(TILE_RING):
-    mbarrier.init(tile_ready.index(s), count=1)
-    mbarrier.init(tile_free.index(s), count=1)
+  tiles, tile_ready, tile_free = alloc_ring(gl.int32)
   return a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free
+
+
+@gluon.jit
+def alloc_ring(dtype: gl.constexpr):
+  """A two-slot ring of scalars between two partitions of a CTA (the tile ring; RS's releases
+  for its signaller): slots in shared memory, a ready and a free mbarrier per slot."""
+  box = gl.allocate_shared_memory(dtype, [TILE_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+  ready = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
+  free = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
+  for s in gl.static_range(TILE_RING):
+    mbarrier.init(ready.index(s), count=1)
+    mbarrier.init(free.index(s), count=1)
+  return box, ready, free
+
+
+@gluon.jit
+def post(box, ready, free, n, value, WARPS: gl.constexpr):
+  """Sender (a partition of WARPS warps): the n-th value into the ring.  The mbarrier arrive
+  releases (CTA scope) what every sender thread did before the barrier to the taker."""
+  slot = n % TILE_RING
+  mbarrier.wait(free.index(slot), ((n // TILE_RING) & 1) ^ 1)
+  box.index(slot).store(gl.full([1], value, box.dtype, row_layout(WARPS)))
+  tl.debug_barrier()  # whichever lane stored, before the (single-thread) release by arrive
+  mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def take(box, ready, free, n, WARPS: gl.constexpr):
+  """Taker (a partition of WARPS warps): the n-th value posted, the same in every thread."""
+  slot = n % TILE_RING
+  mbarrier.wait(ready.index(slot), (n // TILE_RING) & 1)
+  value = gl.max(box.index(slot).load(row_layout(WARPS)), axis=0)
+  # every taker warp has read the slot before it is handed back
+  tl.debug_barrier()
+  mbarrier.arrive(free.index(slot), count=1)
+  return value
 
 
 @gluon.jit
@@ -138,32 +169,23 @@ def claimed_tile(claim, NUM_CTAS: gl.constexpr):
 @gluon.jit
 def publish_tile(tiles, tile_ready, tile_free, j, t):
   """Producer: hand tile number t (the j-th this CTA claimed) to the consumers."""
-  slot = j % TILE_RING
-  mbarrier.wait(tile_free.index(slot), ((j // TILE_RING) & 1) ^ 1)
-  tiles.index(slot).store(gl.full([1], t, gl.int32, row_layout(PRODUCER_WARPS)))
-  tl.debug_barrier()  # whichever lane stored, before the (single-thread) release by arrive
-  mbarrier.arrive(tile_ready.index(slot), count=1)
+  post(tiles, tile_ready, tile_free, j, t, PRODUCER_WARPS)
 
 
 @gluon.jit
 def next_tile(tiles, tile_ready, tile_free, j):
   """Consumers: the j-th tile number the producer published (>= the call's tile count: done)."""
-  slot = j % TILE_RING
-  mbarrier.wait(tile_ready.index(slot), (j // TILE_RING) & 1)
-  t = gl.max(tiles.index(slot).load(row_layout(NUM_WARPS)), axis=0)
-  # every consumer warp has read the slot before it is handed back
-  tl.debug_barrier()
-  mbarrier.arrive(tile_free.index(slot), count=1)
-  return t
+  return take(tiles, tile_ready, tile_free, j, NUM_WARPS)
 
 
 @gluon.jit
-def load_tile(a_desc, row0, b_desc, col0, K: gl.constexpr, a_bufs, b_bufs, ready, empty, it):
-  """Producer: TMA-load the k-blocks of one tile into the operand ring from stage counter it on."""
+def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it, k_first=0):
+  """Producer: TMA-load the k-blocks of one tile into the operand ring from stage counter it on
+  (those of columns [k_first, K) only: a stream-K piece, runtime bounds)."""
   STAGES: gl.constexpr = a_bufs.shape[0]
   BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
   nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-  for k in range(0, K, BLOCK_K):
+  for k in range(k_first, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
@@ -174,8 +196,8 @@ def load_tile(a_desc, row0, b_desc, col0, K: gl.constexpr, a_bufs, b_bufs, ready
 
 
 @gluon.jit
-def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, source=None, load_source=False):
+def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, source=None, load_source=False, k_first=0):
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
@@ -190,61 +212,29 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.cons
   source = (desc, row, col, c_smem, bar): where load_source (the same in every
   thread), the epilogue's source tile desc[row:, col:] is TMA-loaded into the
   epilogue buffer c_smem (completion on bar) during the main loop, behind the
-  MMA of k-block SOURCE_AT, instead of after it.
+  MMA of k-block SOURCE_AT, instead of after it (K a constexpr then).
+
+  k_first: only columns [k_first, K) (a stream-K piece, runtime bounds; the loop runs at
+  least once).
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
-  KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
   acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
-  for k in range(0, K, BLOCK_K):
+  for k in range(k_first, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
     if source is not None:
+      KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
       if load_source and k == source_block(KB) * BLOCK_K:
         load_epilogue_source(source)
     # both warpgroups are past k-block it-1 before its stage is handed back
     tl.debug_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > k_first)
     it += 1
   acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
   tl.debug_barrier()
-  # K >= 1, so the loop ran and stage it-1 is the tile's last one
-  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-  return acc, it
-
-
-@gluon.jit
-def load_blocks(a_desc, row0, b_desc, col0, kb0, kb1, a_bufs, b_bufs, ready, empty, it):
-  """Producer: load_tile for k-blocks [kb0, kb1) only (runtime bounds: a stream-K piece)."""
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-  nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-  for kb in range(kb0, kb1):
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), nbytes)
-    tma_load(a_desc, [row0, kb * BLOCK_K], ready.index(s), a_bufs.index(s))
-    tma_load(b_desc, [kb * BLOCK_K, col0], ready.index(s), b_bufs.index(s))
-    it += 1
-  return it
-
-
-@gluon.jit
-def mma_blocks(a_bufs, b_bufs, ready, empty, it, n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-  """Consumers: mma_tile over n >= 1 k-blocks (a runtime count: a stream-K piece), no hooks."""
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
-  for i in range(0, n):
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
-    tl.debug_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=i > 0)
-    it += 1
-  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-  tl.debug_barrier()
+  # K > k_first, so the loop ran and stage it-1 is the tile's last one
   mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
   return acc, it
 

@@ -17,7 +17,7 @@ from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_stream_k import dp_waves
+from jax_autooverlap.kernels.gluon_stream_k import whole_tiles
 from jax_autooverlap.kernels.gluon_sync import full_write_wait
 from jax_autooverlap.kernels.sync import fence_proxy_async, globaltimer, ld_acquire_sys, trap
 
@@ -27,23 +27,38 @@ SK_TIMEOUT_NS = gl.constexpr(2_000_000_000)  # an owner's wait for its tile's ta
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_CTAS: gl.constexpr):
+              NUM_CTAS: gl.constexpr, STREAM_K: gl.constexpr = False):
   BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
   it = 0
   j = 0
-  for t in range(gl.program_id(0), TM * TN, NUM_CTAS):
+  for t in range(gl.program_id(0), whole_tiles(TM * TN, NUM_CTAS, STREAM_K), NUM_CTAS):
     eng.publish_tile(tiles, tile_ready, tile_free, j, t)
     j += 1
     _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
     it = eng.load_tile(a_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready, empty, it)
-  eng.publish_tile(tiles, tile_ready, tile_free, j, TM * TN)  # no more tiles
+  eng.publish_tile(tiles, tile_ready, tile_free, j, TM * TN)  # no more whole tiles
+  if STREAM_K:  # then this CTA's pieces of the tail (kernels/gluon_stream_k.py)
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    g, end = _sk_share(TM * TN, KB, NUM_CTAS)
+    while g < end:
+      j += 1
+      t, k0, k1 = _sk_piece(g, end, TM * TN, KB, NUM_CTAS)
+      eng.publish_tile(tiles, tile_ready, tile_free, j, t)
+      _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
+      it = eng.load_tile(a_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, k1 * BLOCK_K, a_bufs, b_bufs,
+                         ready, empty, it, k0 * BLOCK_K)
+      g += k1 - k0
 
 
 @gluon.jit
 def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
+              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr, stream_k=None,
+              NUM_CTAS: gl.constexpr = 0):
+  """stream_k = (part_desc, part_bar, flags_ptr): after the whole tiles, this CTA's pieces of
+  the tail (_tail_pieces)."""
   BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
   trace.start(trace_ptr, TRACE)
@@ -60,6 +75,9 @@ def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
+  if stream_k is not None:
+    _tail_pieces(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, it,
+                 j + 1, stream_k, K, BLOCK_K, TM, TN, GROUP_M, NUM_CTAS)
   eng.finish_partition()
   trace.end(trace_ptr, TRACE)
 
@@ -67,71 +85,38 @@ def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
 @gluon.jit
 def _sk_share(T: gl.constexpr, KB: gl.constexpr, NUM_CTAS: gl.constexpr):
   """This CTA's [g, end) of the tail's k-blocks (gluon_stream_k.pieces says the same)."""
-  DP: gl.constexpr = dp_waves(T, NUM_CTAS)
-  WORK: gl.constexpr = (T - DP * NUM_CTAS) * KB
+  WORK: gl.constexpr = (T - whole_tiles(T, NUM_CTAS, True)) * KB
   pid = gl.program_id(0)
   return pid * WORK // NUM_CTAS, (pid + 1) * WORK // NUM_CTAS
 
 
 @gluon.jit
-def _producer_sk(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                 K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-                 NUM_CTAS: gl.constexpr):
-  """_producer with the stream-K tail: whole tiles for the first waves, then this CTA's pieces."""
-  BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-  BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-  KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-  DP: gl.constexpr = dp_waves(TM * TN, NUM_CTAS)
-  it = 0
-  j = 0
-  for t in range(gl.program_id(0), DP * NUM_CTAS, NUM_CTAS):
-    eng.publish_tile(tiles, tile_ready, tile_free, j, t)
-    j += 1
-    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
-    it = eng.load_tile(a_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs, b_bufs, ready, empty, it)
-  g, end = _sk_share(TM * TN, KB, NUM_CTAS)
-  while g < end:
-    t = DP * NUM_CTAS + g // KB
-    k0 = g % KB
-    k1 = gl.minimum(KB, k0 + end - g)
-    eng.publish_tile(tiles, tile_ready, tile_free, j, t)
-    j += 1
-    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
-    it = eng.load_blocks(a_desc, tm * BLOCK_M, b_desc, tn * BLOCK_N, k0, k1, a_bufs, b_bufs, ready,
-                         empty, it)
-    g += k1 - k0
+def _sk_piece(g, end, T: gl.constexpr, KB: gl.constexpr, NUM_CTAS: gl.constexpr):
+  """(tile, first k-block, end k-block) of the piece starting at tail k-block g of [g, end)."""
+  k0 = g % KB
+  return whole_tiles(T, NUM_CTAS, True) + g // KB, k0, gl.minimum(KB, k0 + end - g)
 
 
 @gluon.jit
-def _consumer_sk(c_desc, c_smem, part_desc, part_bar, flags_ptr, a_bufs, b_bufs, ready, empty,
-                 tiles, tile_ready, tile_free, K: gl.constexpr, BLOCK_K: gl.constexpr,
-                 TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-                 NUM_CTAS: gl.constexpr):
-  """_consumer with the stream-K tail.  A tile's tail piece (this CTA's first piece, k0 > 0)
-  goes to part[pid] and is released on flags[pid]; its head piece (this CTA's last, k0 = 0,
-  k1 < KB) waits for flags[pid + 1], adds part[pid + 1] and runs the tile's epilogue."""
+def _tail_pieces(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, it, j,
+                 stream_k, K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr,
+                 TN: gl.constexpr, GROUP_M: gl.constexpr, NUM_CTAS: gl.constexpr):
+  """Consumers, stream-K: this CTA's pieces of the tail, from the j-th published tile on.  A
+  tile's tail piece (this CTA's first piece, k0 > 0) goes to part[pid] and is released on
+  flags[pid]; its head piece (this CTA's last, k0 = 0, k1 < KB) waits for flags[pid + 1],
+  adds part[pid + 1] and runs the tile's epilogue."""
+  part_desc, part_bar, flags_ptr = stream_k
   BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
   KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-  DP: gl.constexpr = dp_waves(TM * TN, NUM_CTAS)
   pid = gl.program_id(0)
-  it = 0
-  j = 0
-  for _ in range(gl.program_id(0), DP * NUM_CTAS, NUM_CTAS):
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
-    j += 1
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
-    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
-    eng.stage_out(acc.to(c_desc.dtype), c_smem)
-    eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
   g, end = _sk_share(TM * TN, KB, NUM_CTAS)
   while g < end:
-    k0 = g % KB
-    k1 = gl.minimum(KB, k0 + end - g)
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
+    t, k0, k1 = _sk_piece(g, end, TM * TN, KB, NUM_CTAS)
+    eng.next_tile(tiles, tile_ready, tile_free, j)  # == t
     j += 1
-    acc, it = eng.mma_blocks(a_bufs, b_bufs, ready, empty, it, k1 - k0, BLOCK_M, BLOCK_N)
+    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, k1 * BLOCK_K, BLOCK_K, BLOCK_M,
+                           BLOCK_N, k_first=k0 * BLOCK_K)
     if k0 > 0:  # the tail of a tile whose head the previous CTA runs: hand it over
       eng.stage_out(acc.to(c_desc.dtype), c_smem)
       eng.tma_store(part_desc, [pid * BLOCK_M, 0], c_smem)
@@ -149,7 +134,6 @@ def _consumer_sk(c_desc, c_smem, part_desc, part_bar, flags_ptr, a_bufs, b_bufs,
       eng.stage_out(acc.to(c_desc.dtype), c_smem)
       eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
     g += k1 - k0
-  eng.finish_partition()
 
 
 @gluon.jit
@@ -188,11 +172,11 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, flags_ptr, trace_ptr, scrat
     part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(part_bar, count=1)
     gl.warp_specialize([
-        (_consumer_sk, (c_desc, c_smem, part_desc, part_bar, flags_ptr, a_bufs, b_bufs, ready,
-                        empty, tiles, tile_ready, tile_free, K, BLOCK_K, TM, TN, GROUP_M,
-                        NUM_CTAS)),
-        (_producer_sk, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                        tile_free, K, TM, TN, GROUP_M, NUM_CTAS)),
+        (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                     trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE,
+                     (part_desc, part_bar, flags_ptr), NUM_CTAS)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                     K, TM, TN, GROUP_M, NUM_CTAS, STREAM_K)),
     ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
   else:
     gl.warp_specialize([

@@ -42,8 +42,8 @@ from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
-from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, alloc_mailbox, call_state,
-                                                finish_call, hand_off_release, post, signaller)
+from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
+                                                hand_off_release, signaller)
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
                                           wait_at_least)
 
@@ -235,7 +235,7 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
     t = t % PREFETCH
     if t < TOTAL:
       # a tagged (own) tile: the first peer's partial has arrived (the producer's acquire,
-      # handed on through the tile ring's mbarrier); loaded behind the main loop's first MMA
+      # handed on through the tile ring's mbarrier); loaded behind an MMA of the main loop
       _, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
       if prefetched != 0:
         fence_proxy_async()
@@ -247,7 +247,7 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   if pending != 0:
     hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, eng.NUM_WARPS)
     signals += 1
-  post(sig_box, sig_ready, sig_free, signals, 0, eng.NUM_WARPS)  # the signaller's end
+  eng.post(sig_box, sig_ready, sig_free, signals, 0, eng.NUM_WARPS)  # the signaller's end
   eng.finish_partition()
   trace.end(trace_ptr, TRACE)
 
@@ -287,7 +287,7 @@ def gluon_gemm_rs_kernel(
   c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
   part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
   mbarrier.init(part_bar, count=1)
-  sig_box, sig_ready, sig_free = alloc_mailbox()
+  sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)
   gl.warp_specialize([
       (_consumer, (my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
                    tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, my_flags,

@@ -24,7 +24,7 @@ def waves_before_tail(tiles: int, ctas: int) -> int:
 
 def pieces(cta: int, tiles: int, k_blocks: int, ctas: int) -> list[tuple[int, int, int]]:
   """(tile, first k-block, end k-block) of CTA `cta`'s share of the tail, in order: the
-  kernel's arithmetic (_producer_sk / _consumer_sk in kernels/gluon_gemm.py), for tests."""
+  kernel's arithmetic (_sk_share / _sk_piece in kernels/gluon_gemm.py), for tests."""
   dp = waves_before_tail(tiles, ctas)
   work = (tiles - dp * ctas) * k_blocks
   g, end, out = cta * work // ctas, (cta + 1) * work // ctas, []
@@ -37,7 +37,10 @@ def pieces(cta: int, tiles: int, k_blocks: int, ctas: int) -> list[tuple[int, in
 
 
 @gluon.constexpr_function
-def dp_waves(tiles, ctas):
-  """waves_before_tail for kernels (a constexpr function may not call Python functions)."""
+def whole_tiles(tiles, ctas, stream_k):
+  """For kernels: tiles run whole, before the tail (all of them without stream-K);
+  waves_before_tail * ctas (a constexpr function may not call Python functions)."""
+  if not stream_k:
+    return tiles
   full, rest = divmod(tiles, ctas)
-  return full - 1 if full >= 1 and rest else full
+  return (full - 1 if full >= 1 and rest else full) * ctas

@@ -7,8 +7,7 @@ an explicit layout, or TMA-store completion, is here.
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-
+from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.sync import signal_add, table_address
 
 
@@ -69,65 +68,29 @@ def signal_after_tma_stores(flag):
 
 
 @gluon.jit
-def alloc_mailbox():
-  """A two-slot mailbox of int64 values between two partitions of a CTA: slots in shared
-  memory, a ready and a free mbarrier per slot (the engine's tile ring, for 64-bit values)."""
-  box = gl.allocate_shared_memory(gl.int64, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-  ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-  free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-  for i in gl.static_range(2):
-    mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(free.index(i), count=1)
-  return box, ready, free
-
-
-@gluon.jit
-def post(box, ready, free, n, value, NUM_WARPS: gl.constexpr):
-  """Sender (a partition of NUM_WARPS warps): the n-th value into the mailbox.  The mbarrier
-  arrive releases (CTA scope) what every sender thread did before the barrier to the taker."""
-  slot = n % 2
-  mbarrier.wait(free.index(slot), ((n // 2) & 1) ^ 1)
-  layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-  box.index(slot).store(gl.full([1], value, gl.int64, layout))
-  tl.debug_barrier()
-  mbarrier.arrive(ready.index(slot), count=1)
-
-
-@gluon.jit
-def take(box, ready, free, n, NUM_WARPS: gl.constexpr):
-  """Taker (a partition of NUM_WARPS warps): the n-th value posted, the same in every thread."""
-  slot = n % 2
-  mbarrier.wait(ready.index(slot), (n // 2) & 1)
-  layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-  value = gl.max(box.index(slot).load(layout), axis=0)
-  tl.debug_barrier()
-  mbarrier.arrive(free.index(slot), count=1)
-  return value
-
-
-@gluon.jit
 def hand_off_release(flag, box, ready, free, n, NUM_WARPS: gl.constexpr):
   """signal_after_tma_stores with the release itself done by another warp (the signaller),
-  which takes `flag` from the mailbox: every thread waits for its TMA stores to be written
-  and fences the async proxy (full_write_wait), then `post`'s barrier and mbarrier arrive
+  which takes `flag` from a ring (gluon_engine.alloc_ring(gl.int64)): every thread waits for
+  its TMA stores to be written and fences the async proxy (full_write_wait), then `post`'s
+  barrier and mbarrier arrive
   order those completions before the taker's release (system scope, cumulative), so the
   peer that acquires the counter sees every byte.  The senders do not wait for the
   system-scope release (~1 µs per pushed tile when the consumers did it: bench/NOTES.md)."""
   full_write_wait()
   tl.debug_barrier()
-  post(box, ready, free, n, flag.to(gl.int64, bitcast=False), NUM_WARPS)
+  eng.post(box, ready, free, n, flag.to(gl.int64, bitcast=False), NUM_WARPS)
 
 
 @gluon.jit
 def signaller(box, ready, free):
-  """One-warp partition: add 1 (release, system scope) to every counter posted in the mailbox
+  """One-warp partition: add 1 (release, system scope) to every counter posted in the ring
   (hand_off_release), until a 0 arrives."""
   n = 0
-  flag = take(box, ready, free, n, 1)
+  flag = eng.take(box, ready, free, n, 1)
   while flag != 0:
     signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
     n += 1
-    flag = take(box, ready, free, n, 1)
+    flag = eng.take(box, ready, free, n, 1)
 
 
 @gluon.jit

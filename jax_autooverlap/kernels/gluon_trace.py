@@ -5,7 +5,7 @@ placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS, 4].  Row 0 of a C
 (%globaltimer, %clock64) read together when its consumers start, to align CTAs; row 1 + j
 holds the CTA's j-th tile: (tile number, then %clock64 when the consumers had its number,
 when its main loop had finished, and when its epilogue had issued its TMA store).  Tiles
-past SLOTS are not recorded.  The clock is the SM's cycle counter (bench/loopback.py turns it
+past SLOTS are not recorded.  The clock is the SM's cycle counter (bench/timeline.py turns it
 into ns with the clock rate seen between the CTA's two %globaltimer reads).
 """
 from triton.experimental import gluon
