@@ -11,7 +11,6 @@ completion wait before a push is released.
 import dataclasses
 import glob
 import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -187,30 +186,3 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
     assert out.shape == case.out_shape
   jax.export.export(program, platforms=["cuda"], disabled_checks=[
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-
-
-@pytest.mark.parametrize("shape", [(8192, 2048, 4096), (4000, 1024, 5000)], ids=["partial-wave", "ragged"])
-def test_engine_gemm_compiles_with_the_stream_k_tail(monkeypatch, tmp_path, shape):
-  """The stream-K prototype (kernels/gluon_stream_k.py) builds: its pieces' loads and MMAs, the
-  partial tile's TMA store and load, the release and the bounded acquire of the owner."""
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
-  m, k, n = shape
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-                                     num_sms=132, compute_capability=90, stream_k=True)
-  specs = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16))
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
-  assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx
-  assert re.search(r"(red|atom)\.global\.gpu\.release\.add", ptx)  # the tail's release
-  assert "%globaltimer" in ptx and "trap;" in ptx and "cp.async.bulk.wait_group 0;" in ptx
-  assert_scratch_is_the_operand(ptx)
-  with pytest.raises(ValueError, match="records no timeline"):
-    jax.eval_shape(lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"),
-                                                  out_dtype=bf16, num_sms=132, trace=True,
-                                                  stream_k=True), *specs)

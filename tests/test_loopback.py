@@ -178,7 +178,7 @@ def test_engine_benchmark_table_and_config_names(capsys):
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
   for fields in engine.CONFIGS.values():  # every named config is one the engine takes
     from jax_autooverlap.tuning.config import KernelConfig
-    KernelConfig(engine="gluon", **{k: v for k, v in fields.items() if k != "stream_k"})
+    KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err
@@ -213,37 +213,3 @@ def test_notebook_timeline_cell_plots_the_newest_trace(tmp_path, monkeypatch, ca
   out = capsys.readouterr().out
   assert "8192x4096x4096/ours: 2 tiles on 2 CTAs, last epilogue at 11.0 us" in out
   assert ax.barh.call_count == 4 and plt.show.called  # main loop + epilogue per tile
-
-
-@pytest.mark.parametrize("tiles,k_blocks,ctas", [(1024, 32, 132), (512, 64, 132), (4096, 32, 132),
-                                                 (7168, 128, 132), (264, 16, 132), (131, 8, 132),
-                                                 (200, 1, 132), (1000, 3, 7)])
-def test_stream_k_tail_covers_every_k_block_once_with_two_contributors_at_most(tiles, k_blocks,
-                                                                            ctas):
-  """kernels/gluon_stream_k.py's split: whole-tile waves first, then every (tile, k-block) of
-  the tail in exactly one CTA's share; shares within one k-block of each other; a split tile
-  has its head as the last piece of CTA c and its tail as the first piece of CTA c + 1."""
-  from jax_autooverlap.kernels import gluon_stream_k as sk
-  ctas = min(ctas, tiles)  # the launch's grid
-  dp = sk.waves_before_tail(tiles, ctas)
-  shares = [sk.pieces(c, tiles, k_blocks, ctas) for c in range(ctas)]
-  covered = {}
-  for c, share in enumerate(shares):
-    for t, k0, k1 in share:
-      assert dp * ctas <= t < tiles and 0 <= k0 < k1 <= k_blocks
-      for kb in range(k0, k1):
-        assert (t, kb) not in covered
-        covered[(t, kb)] = c
-  assert len(covered) == (tiles - dp * ctas) * k_blocks
-  sizes = [sum(k1 - k0 for _, k0, k1 in share) for share in shares]
-  assert max(sizes) - min(sizes) <= 1
-  if tiles % ctas == 0:
-    assert dp == tiles // ctas and not covered  # no partial wave: no tail
-    return
-  assert min(sizes) >= k_blocks  # at least a tile's work each: two contributors at most
-  for c, share in enumerate(shares):
-    for i, (t, k0, k1) in enumerate(share):
-      if k0 > 0:  # a tail: the CTA's first piece; the previous CTA ends with the head
-        assert i == 0 and shares[c - 1][-1] == (t, 0, k0) and k1 == k_blocks
-      if k0 == 0 and k1 < k_blocks:  # a head: the CTA's last piece
-        assert i == len(share) - 1 and shares[c + 1][0] == (t, k1, k_blocks)

@@ -72,33 +72,23 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
-                compute_capability: int | None = None, trace: bool = False,
-                stream_k: bool = False):
-  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
-  stream_k: the stream-K tail (kernels/gluon_stream_k.py; a prototype: benchmarks only)."""
-  import numpy as np
+                compute_capability: int | None = None, trace: bool = False):
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
-  if trace and stream_k:
-    raise ValueError("launch_gemm: the stream-K prototype records no timeline (trace=True)")
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
-  # stream-K: one partial tile and one flag per CTA (flags zeroed before every launch)
-  part_type = jax.ShapeDtypeStruct((num_ctas * kernel.block_m, kernel.block_n) if stream_k
-                                   else (8,), out_dtype)
-  flags_type = jax.ShapeDtypeStruct((num_ctas,) if stream_k else (1,), np.int32)
-  out, _, _, timeline, _ = jt.triton_call(
+  out, timeline, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
-      zeroed_outputs=((2,) if stream_k else ()) + ((3,) if trace else ()),
-      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), part_type, flags_type,
-                trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
+      zeroed_outputs=(1,) if trace else (),
+      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), trace_out_type(num_ctas, trace),
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
-      STREAM_K=stream_k)
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
   return (out, timeline) if trace else out
 
 

@@ -27,8 +27,6 @@ DEFAULT_SHAPES = ["4096x8192x4096", "16384x8192x4096", "16384x8192x14336", "8192
 CONFIGS = {
     "coop-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
     "coop-128x128-s4": dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
-    # the stream-K tail prototype (kernels/gluon_stream_k.py) on the default tiles
-    "coop-128x256-s3-sk": dict(block_m=128, block_n=256, num_warps=8, num_stages=3, stream_k=True),
 }
 MAX_REL_ERR = 2e-2
 
@@ -52,11 +50,8 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
   contestants = {"gemm_alone": (lb.gemm_program(), (a, b), None)}
   errors = {}
   for name, fields in configs.items():
-    fields = dict(fields)
-    stream_k = fields.pop("stream_k", False)
     try:
-      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
-                                  stream_k=stream_k)
+      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms)
       errors[name] = lb._rel_err(program(a, b), want)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
       _log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -92,8 +87,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench.engine")
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="local MxKxN, comma-separated")
   ap.add_argument("--configs", default="coop-128x256-s3,coop-128x128-s4",
-                  help=f"of {', '.join(CONFIGS)} (the stream-K prototype only when named: it is "
-                       "not yet checked on a GPU)")
+                  help=f"of {', '.join(CONFIGS)}")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--calls", type=int, default=10)
   ap.add_argument("--tag", default="")

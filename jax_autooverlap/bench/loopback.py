@@ -196,15 +196,15 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, stream_k: bool = False):
+                   trace: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); stream_k: the stream-K tail prototype)."""
+  (trace: (a @ b, the per-tile timeline))."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability, trace=trace, stream_k=stream_k)
+                       compute_capability=compute_capability, trace=trace)
   return jax.jit(run)
 
 

@@ -179,13 +179,12 @@ def next_tile(tiles, tile_ready, tile_free, j):
 
 
 @gluon.jit
-def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it, k_first=0):
-  """Producer: TMA-load the k-blocks of one tile into the operand ring from stage counter it on
-  (those of columns [k_first, K) only: a stream-K piece, runtime bounds)."""
+def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it):
+  """Producer: TMA-load the k-blocks of one tile into the operand ring from stage counter it on."""
   STAGES: gl.constexpr = a_bufs.shape[0]
   BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
   nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-  for k in range(k_first, K, BLOCK_K):
+  for k in range(0, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
@@ -197,7 +196,7 @@ def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it, k
 
 @gluon.jit
 def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, source=None, load_source=False, k_first=0):
+             BLOCK_N: gl.constexpr, source=None, load_source=False):
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
@@ -213,13 +212,10 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   thread), the epilogue's source tile desc[row:, col:] is TMA-loaded into the
   epilogue buffer c_smem (completion on bar) during the main loop, behind the
   MMA of k-block SOURCE_AT, instead of after it (K a constexpr then).
-
-  k_first: only columns [k_first, K) (a stream-K piece, runtime bounds; the loop runs at
-  least once).
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
   acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
-  for k in range(k_first, K, BLOCK_K):
+  for k in range(0, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
@@ -230,11 +226,11 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
         load_epilogue_source(source)
     # both warpgroups are past k-block it-1 before its stage is handed back
     tl.debug_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > k_first)
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
     it += 1
   acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
   tl.debug_barrier()
-  # K > k_first, so the loop ran and stage it-1 is the tile's last one
+  # K > 0, so the loop ran and stage it-1 is the tile's last one
   mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
   return acc, it
 
