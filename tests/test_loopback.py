@@ -213,3 +213,31 @@ def test_notebook_timeline_cell_plots_the_newest_trace(tmp_path, monkeypatch, ca
   out = capsys.readouterr().out
   assert "8192x4096x4096/ours: 2 tiles on 2 CTAs, last epilogue at 11.0 us" in out
   assert ax.barh.call_count == 4 and plt.show.called  # main loop + epilogue per tile
+
+
+def test_ncu_engine_summary_reads_one_row_per_kernel_and_skips_rule_rows():
+  """bench/ncu_engine.py's CSV reader: ncu's preamble lines before the header are skipped, every
+  metric row lands in its kernel's entry (launch order kept), rule rows (no metric) are not."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "bench" / "ncu_engine.py"
+  spec = importlib.util.spec_from_file_location("ncu_engine", path)
+  ncu = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ncu)
+  head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+          '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+          '"Metric Value","Rule Name","Rule Type","Rule Description","Estimated Speedup Type",'
+          '"Estimated Speedup"\n')
+  def row(i, name, metric, value):
+    return (f'"{i}","1","python3","h","{name}","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+            f'"GPU Speed Of Light Throughput","{metric}","x","{value}",\n')
+  text = ("==PROF== Connected to process 1\nsome program output\n" + head
+          + row(0, "gluon_gemm_kernel", "Duration", "346,592")
+          + row(0, "gluon_gemm_kernel", "SM Frequency", "1,607,911,102.97")
+          + '"0","1","python3","h","gluon_gemm_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0",'
+            '"9.0","SpeedOfLight","","","","SOLBottleneck","INF","text","",""\n'
+          + row(1, "nvjet_sm90_tst_256x128", "Duration", "340,384"))
+  got = ncu.summarise(text)
+  assert [name for name, _ in got] == ["gluon_gemm_kernel", "nvjet_sm90_tst_256x128"]
+  assert got[0][1] == {"Duration": "346,592", "SM Frequency": "1,607,911,102.97"}
+  assert got[1][1] == {"Duration": "340,384"}
