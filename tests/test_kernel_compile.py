@@ -186,3 +186,29 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
     assert out.shape == case.out_shape
   jax.export.export(program, platforms=["cuda"], disabled_checks=[
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_engine_gemm_compiles_with_split_epilogue(monkeypatch, tmp_path, stages):
+  """launch_gemm(split_epilogue=True) (bench/NOTES.md's next experiment) builds for sm_90a: the
+  n256 accumulator kept whole, its column halves staged by the same 16 stmatrix as the whole
+  tile (register subsets: no shuffles through shared memory), two TMA stores per tile."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
+  bf16 = jnp.dtype(jnp.bfloat16)
+  f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon", num_stages=stages),
+                                     out_dtype=bf16, num_sms=132, compute_capability=90,
+                                     split_epilogue=True)
+  specs = (jax.ShapeDtypeStruct((4096, 4096), bf16), jax.ShapeDtypeStruct((4096, 2048), bf16))
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
+  assert ptx.count("stmatrix.sync.aligned") == 16 and "shfl.sync.bfly" not in ptx
+  assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2
+  assert_scratch_is_the_operand(ptx)
+  (info,) = [p.read_text() for p in tmp_path.glob("**/*.compile_info")]
+  assert int(info.split("shared_mem_bytes:")[1]) <= 232448  # sm_90's opt-in maximum (227 KB)

@@ -72,8 +72,11 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
-                compute_capability: int | None = None, trace: bool = False):
-  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
+                compute_capability: int | None = None, trace: bool = False,
+                split_epilogue: bool = False):
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
+  split_epilogue: each tile written out in two column halves through a half-size buffer, room
+  for a 4th stage (kernels/gluon_gemm.py; an experiment for the engine benchmark)."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -88,7 +91,8 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
+      SPLIT_EPI=split_epilogue)
   return (out, timeline) if trace else out
 
 

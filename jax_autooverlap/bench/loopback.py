@@ -196,15 +196,16 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False):
+                   trace: bool = False, split_epilogue: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline))."""
+  (trace: (a @ b, the per-tile timeline); split_epilogue: backends/gluon.launch_gemm's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability, trace=trace)
+                       compute_capability=compute_capability, trace=trace,
+                       split_epilogue=split_epilogue)
   return jax.jit(run)
 
 

@@ -269,6 +269,27 @@ def stage_out(acc, c_smem):
 
 
 @gluon.jit
+def column_halves(acc):
+  """The [M, N] accumulator as its two [M, N / 2] column halves (the wgmma layout keeps column
+  c in register c / 8 of its thread, so each half is a subset of the thread's registers)."""
+  M: gl.constexpr = acc.shape[0]
+  N: gl.constexpr = acc.shape[1]
+  return acc.reshape([M, 2, N // 2]).permute([0, 2, 1]).split()
+
+
+@gluon.jit
+def stage_out_halves(acc, c_desc, row, col, c_half):
+  """Epilogue through a half-width buffer c_half ([M, N / 2], c_desc's block): each column half
+  staged and TMA-stored in turn (the second waits for the first store to have read c_half)."""
+  lo, hi = column_halves(acc)
+  HALF: gl.constexpr = acc.shape[1] // 2
+  stage_out(lo, c_half)
+  tma_store(c_desc, [row, col], c_half)
+  stage_out(hi, c_half)
+  tma_store(c_desc, [row, col + HALF], c_half)
+
+
+@gluon.jit
 def finish_partition():
   """Consumers at the end of the tile loop: no TMA store may still read shared memory."""
   tma.store_wait(0)
