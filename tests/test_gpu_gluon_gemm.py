@@ -38,13 +38,13 @@ def test_engine_gemm_matches_xla(dtype, shape):
   np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(got))  # deterministic
 
 
-@pytest.mark.parametrize("stages", [3, 4])
+@pytest.mark.parametrize("parts,stages", [(2, 3), (2, 4), (4, 4)])
 @pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (8192, 2048, 4096)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_engine_gemm_with_split_epilogue_matches_xla(shape, stages):
-  """The split-epilogue experiment (launch_gemm(split_epilogue=True): the tile written out in
-  two column halves, room for a 4th stage; bench/NOTES.md): XLA's result within bf16
-  tolerance, the same bits on a second call, ragged edges included."""
+def test_engine_gemm_with_epilogue_in_parts_matches_xla(shape, parts, stages):
+  """KernelConfig.epilogue_parts (the tile written out in column parts through a smaller buffer,
+  room for a 4th stage; bench/NOTES.md): XLA's result within bf16 tolerance, the same bits on a
+  second call, ragged edges included."""
   from jax_autooverlap.backends.gluon import launch_gemm
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.tuning.config import KernelConfig
@@ -52,8 +52,8 @@ def test_engine_gemm_with_split_epilogue_matches_xla(shape, stages):
   k1, k2 = jax.random.split(fresh_key())
   a = jax.device_put(randn(k1, (m, k), jnp.bfloat16), GPUS[0])
   b = jax.device_put((randn(k2, (k, n), np.float32) / np.sqrt(k)).astype(jnp.bfloat16), GPUS[0])
-  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=KernelConfig(engine="gluon", num_stages=stages),
-                                       out_dtype=jnp.bfloat16, split_epilogue=True,
+  cfg = KernelConfig(engine="gluon", num_stages=stages, epilogue_parts=parts)
+  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=cfg, out_dtype=jnp.bfloat16,
                                        num_sms=cuda.sm_count(GPUS[0].local_hardware_id)))
   got = f(a, b)
   assert_close(got, jnp.dot(a, b, preferred_element_type=jnp.float32), jnp.bfloat16)

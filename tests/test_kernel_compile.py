@@ -188,27 +188,47 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_engine_gemm_compiles_with_split_epilogue(monkeypatch, tmp_path, stages):
-  """launch_gemm(split_epilogue=True) (bench/NOTES.md's next experiment) builds for sm_90a: the
-  n256 accumulator kept whole, its column halves staged by the same 16 stmatrix as the whole
-  tile (register subsets: no shuffles through shared memory), two TMA stores per tile."""
+@pytest.mark.parametrize("op,parts,stages", [("gemm", 2, 3), ("gemm", 2, 4), ("gemm", 4, 4),
+                                             ("ag", 4, 4), ("ag", 2, 3)])
+def test_gluon_kernels_compile_with_epilogue_in_parts(monkeypatch, tmp_path, op, parts, stages):
+  """KernelConfig.epilogue_parts (bench/NOTES.md's next experiment) builds for sm_90a: the n256
+  accumulator kept whole, its column parts staged by the same 16 stmatrix as the whole tile
+  (register subsets: no shuffles through shared memory), one TMA store per part, and within
+  sm_90's 227 KB of shared memory with a 4th stage (the engine with halves, AG with quarters
+  beside its movers' staging buffers)."""
   from jax_autooverlap._compat import import_jax_triton
   from jax_autooverlap.backends import gluon
   import_jax_triton()
   from jax_triton import triton_lib
   monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
   bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon", num_stages=stages),
-                                     out_dtype=bf16, num_sms=132, compute_capability=90,
-                                     split_epilogue=True)
-  specs = (jax.ShapeDtypeStruct((4096, 4096), bf16), jax.ShapeDtypeStruct((4096, 2048), bf16))
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  cfg = KernelConfig(engine="gluon", num_stages=stages, epilogue_parts=parts)
+  if op == "gemm":
+    f = lambda a, b: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=bf16, num_sms=132,
+                                       compute_capability=90)
+    jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(
+            jax.ShapeDtypeStruct((4096, 4096), bf16), jax.ShapeDtypeStruct((4096, 2048), bf16))
+    store = "cp.async.bulk.tensor.2d.global.shared::cta"
+  else:
+    _ptx(monkeypatch, tmp_path, bf16, cfg, 4096, 4096, 4096, world=2, return_gathered=False)
+    store = "cp.async.bulk.tensor.3d.global.shared::cta"
+  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx") if "wgmma" in p.read_text()]
   assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
   assert ptx.count("stmatrix.sync.aligned") == 16 and "shfl.sync.bfly" not in ptx
-  assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == 2
+  assert ptx.count(store) >= parts  # (AG: its mover's pushes are 3-D TMA stores too)
   assert_scratch_is_the_operand(ptx)
-  (info,) = [p.read_text() for p in tmp_path.glob("**/*.compile_info")]
+  (info,) = [p.read_text() for p in tmp_path.glob("**/*.compile_info")
+             if "gluon" in p.name]
   assert int(info.split("shared_mem_bytes:")[1]) <= 232448  # sm_90's opt-in maximum (227 KB)
+
+
+def test_gemm_rs_refuses_an_epilogue_in_parts():
+  from jax_autooverlap.backends import gluon
+  cfg = KernelConfig(engine="gluon", epilogue_parts=2)
+  bf16 = jnp.dtype(jnp.bfloat16)
+  with pytest.raises(ValueError, match="epilogue_parts=2 is not built"):
+    jax.eval_shape(lambda a, b, t, r: gluon.launch_gemm_rs(
+        a, b, t, r, world=2, kernel=cfg, out_dtype=bf16, timeout_s=1.0, num_sms=132),
+        jax.ShapeDtypeStruct((4096, 2048), bf16), jax.ShapeDtypeStruct((2048, 4096), bf16),
+        jax.ShapeDtypeStruct((8,), np.int64), jax.ShapeDtypeStruct((1,), np.int32))

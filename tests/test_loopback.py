@@ -95,6 +95,21 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   # a num_comm override (diagnostic) replaces the tuner's, nothing else
   over = lb.kernel_configs(case, "NVIDIA H200", ["gluon"], num_comm=3)["gluon"]
   assert over.num_comm == 3 and over.chunks == picked.chunks
+  # --gluon-override (an experiment) changes the gluon engine's config only
+  exp = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"],
+                          gluon_override=lb.parse_override("num_stages=4,epilogue_parts=4"))
+  assert (exp["gluon"].num_stages, exp["gluon"].epilogue_parts) == (4, 4)
+  assert exp["tl"] == cfgs["tl"] and exp["gluon"].chunks == picked.chunks
+
+
+def test_gluon_override_names_kernel_config_fields():
+  import argparse
+  assert lb.parse_override("") == {}
+  assert lb.parse_override("num_stages=4,epilogue_parts=2") == {"num_stages": 4,
+                                                                 "epilogue_parts": 2}
+  for bad in ("stages=4", "num_stages=four", "engine=1"):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected name=integer"):
+      lb.parse_override(bad)
 
 
 def test_table_and_records():
@@ -178,7 +193,7 @@ def test_engine_benchmark_table_and_config_names(capsys):
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
   for fields in engine.CONFIGS.values():  # every named config is one the engine takes
     from jax_autooverlap.tuning.config import KernelConfig
-    KernelConfig(engine="gluon", **{k: v for k, v in fields.items() if k != "split_epilogue"})
+    KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err

@@ -196,16 +196,15 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, split_epilogue: bool = False):
+                   trace: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); split_epilogue: backends/gluon.launch_gemm's)."""
+  (trace: (a @ b, the per-tile timeline))."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability, trace=trace,
-                       split_epilogue=split_epilogue)
+                       compute_capability=compute_capability, trace=trace)
   return jax.jit(run)
 
 
@@ -415,9 +414,11 @@ def time_interleaved(contestants: dict, rounds: int, calls: int) -> dict:
 
 # --- the benchmark ------------------------------------------------------------------------------
 
-def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None = None) -> dict:
+def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None = None,
+                   gluon_override: dict | None = None) -> dict:
   """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
-  verdict, else the default), with each engine (num_comm: override, a diagnostic)."""
+  verdict, else the default), with each engine (num_comm: override, a diagnostic;
+  gluon_override: KernelConfig fields replaced in the gluon engine's config, an experiment)."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype = _np_dtype(case.dtype)
@@ -433,7 +434,8 @@ def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None =
   out = {}
   for engine in engines:
     try:
-      cfg = dataclasses.replace(base, engine=engine)
+      cfg = dataclasses.replace(base, engine=engine,
+                                **((gluon_override or {}) if engine == "gluon" else {}))
     except ValueError as e:  # the tuner's tiles do not fit this engine
       _log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
@@ -455,11 +457,12 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
 
 
 def bench_case(case: Case, device, engines, rounds: int, calls: int,
-               num_comm: int | None = None, diag: int = 0) -> list[dict]:
+               num_comm: int | None = None, diag: int = 0,
+               gluon_override: dict | None = None) -> list[dict]:
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  configs = kernel_configs(case, device.device_kind, engines, num_comm)
+  configs = kernel_configs(case, device.device_kind, engines, num_comm, gluon_override)
   contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
   if "gluon" in configs:
     contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
@@ -552,6 +555,20 @@ def format_table(op: str, records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def parse_override(text: str) -> dict:
+  """'name=int,...' -> {name: int}, names checked against KernelConfig's integer fields."""
+  from jax_autooverlap.tuning.config import KernelConfig
+  known = {f.name for f in dataclasses.fields(KernelConfig) if f.name != "engine"}
+  out = {}
+  for item in filter(None, text.split(",")):
+    name, _, value = item.partition("=")
+    if name not in known or not value.lstrip("-").isdigit():
+      raise argparse.ArgumentTypeError(
+          f"{item!r}: expected name=integer with name one of {sorted(known)}")
+    out[name] = int(value)
+  return out
+
+
 def parse_args(argv):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench OP --loopback")
   ap.add_argument("op", choices=["ag", "rs"])
@@ -567,6 +584,9 @@ def parse_args(argv):
   ap.add_argument("--diag", type=int, default=0,
                   help="diagnostic: AO_GLUON_DIAG bits for the Gluon kernel (backends/gluon.py); "
                        "timed even where the result is wrong")
+  ap.add_argument("--gluon-override", default="", type=parse_override,
+                  help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
+                       "num_stages=4,epilogue_parts=4 (the engine-alone contestant takes them too)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
@@ -596,7 +616,8 @@ def main(argv=None) -> int:
   records, timelines, raw_traces = [], [], {}
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
-    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag):
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag,
+                        args.gluon_override):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
