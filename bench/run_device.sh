@@ -7,6 +7,8 @@
 #   launch-cost           python -m jax_autooverlap.bench.launch_cost (host cost of a launch)
 #   tests-loopback | tests-gluon_gemm   one-GPU tests: fused kernels in loopback, the Gluon engine's GEMM
 #   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
+#   engine                python -m jax_autooverlap.bench.engine (one GPU; BENCH_ARGS)
+#   ncu-engine            bench/ncu_engine.py: hardware counters, engine vs cuBLAS (BENCH_ARGS)
 #   any/path.py           a Python script run in the same environment (experiments)
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
@@ -40,6 +42,12 @@ for step in "$@"; do
     loopback-ag|loopback-rs)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
         --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+    engine)
+      timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.engine --out "$OUT" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" ;;
+    ncu-engine)
+      timeout ${BENCH_TIMEOUT:-420} python3 bench/ncu_engine.py --out "$OUT" ${BENCH_ARGS:-} \
+        2>&1 | tee "$OUT/ncu-engine.log" ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;
