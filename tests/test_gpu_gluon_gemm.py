@@ -19,23 +19,28 @@ if not GPUS or str(getattr(GPUS[0], "compute_capability", "")) != "9.0":
   pytest.skip("needs an sm_90 NVIDIA GPU (Hopper)", allow_module_level=True)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
-                                   (8192, 2048, 4096)], ids=lambda s: "x".join(map(str, s)))
-def test_engine_gemm_matches_xla(dtype, shape):
+def _check_engine_gemm(shape, dtype, cfg):
+  """The engine's GEMM under cfg against XLA's f32-accumulated GEMM on fresh random inputs, and
+  the same bits on a second call."""
   from jax_autooverlap.backends.gluon import launch_gemm
   from jax_autooverlap.runtime import cuda
-  from jax_autooverlap.tuning.config import KernelConfig
   m, k, n = shape
   k1, k2 = jax.random.split(fresh_key())
   a = jax.device_put(randn(k1, (m, k), dtype), GPUS[0])
   b = jax.device_put((randn(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype), GPUS[0])
-  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=dtype,
+  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=cfg, out_dtype=dtype,
                                        num_sms=cuda.sm_count(GPUS[0].local_hardware_id)))
   got = f(a, b)
-  want = jnp.dot(a, b, preferred_element_type=jnp.float32)
-  assert_close(got, want, dtype)
+  assert_close(got, jnp.dot(a, b, preferred_element_type=jnp.float32), dtype)
   np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(got))  # deterministic
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
+                                   (8192, 2048, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_engine_gemm_matches_xla(dtype, shape):
+  from jax_autooverlap.tuning.config import KernelConfig
+  _check_engine_gemm(shape, dtype, KernelConfig(engine="gluon"))
 
 
 @pytest.mark.parametrize("parts,stages", [(2, 3), (2, 4), (4, 4)])
@@ -43,18 +48,7 @@ def test_engine_gemm_matches_xla(dtype, shape):
                          ids=lambda s: "x".join(map(str, s)))
 def test_engine_gemm_with_epilogue_in_parts_matches_xla(shape, parts, stages):
   """KernelConfig.epilogue_parts (the tile written out in column parts through a smaller buffer,
-  room for a 4th stage; bench/NOTES.md): XLA's result within bf16 tolerance, the same bits on a
-  second call, ragged edges included."""
-  from jax_autooverlap.backends.gluon import launch_gemm
-  from jax_autooverlap.runtime import cuda
+  room for a 4th stage; bench/NOTES.md), ragged edges included."""
   from jax_autooverlap.tuning.config import KernelConfig
-  m, k, n = shape
-  k1, k2 = jax.random.split(fresh_key())
-  a = jax.device_put(randn(k1, (m, k), jnp.bfloat16), GPUS[0])
-  b = jax.device_put((randn(k2, (k, n), np.float32) / np.sqrt(k)).astype(jnp.bfloat16), GPUS[0])
-  cfg = KernelConfig(engine="gluon", num_stages=stages, epilogue_parts=parts)
-  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=cfg, out_dtype=jnp.bfloat16,
-                                       num_sms=cuda.sm_count(GPUS[0].local_hardware_id)))
-  got = f(a, b)
-  assert_close(got, jnp.dot(a, b, preferred_element_type=jnp.float32), jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(f(a, b)), np.asarray(got))
+  _check_engine_gemm(shape, jnp.bfloat16,
+                     KernelConfig(engine="gluon", num_stages=stages, epilogue_parts=parts))

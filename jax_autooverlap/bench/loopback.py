@@ -501,15 +501,18 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
           for impl, (ms, info), extra in records]
 
 
-def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
+def trace_case(case: Case, device, calls: int = 3,
+               gluon_override: dict | None = None) -> tuple[dict, dict]:
   """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
-  Gluon kernel on this case: the timeline of the last of `calls` calls (bench/timeline.py)."""
+  Gluon kernel on this case (the config bench_case times): the timeline of the last of `calls`
+  calls (bench/timeline.py)."""
   import jax
   from jax_autooverlap.bench import timeline
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
+  cfg = kernel_configs(case, device.device_kind, ["gluon"],
+                       gluon_override=gluon_override).get("gluon")
   if cfg is None:
     return {}, {}
   rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
@@ -622,7 +625,7 @@ def main(argv=None) -> int:
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
     if args.trace and "gluon" in engines:
-      summaries, raw = trace_case(case, gpus[0])
+      summaries, raw = trace_case(case, gpus[0], gluon_override=args.gluon_override)
       for impl, summary in summaries.items():
         timelines.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "impl": impl,
                           **summary, "gpu": gpu, "versions": versions, "date": date})
