@@ -154,7 +154,7 @@ def test_gluon_kernel_takes_gluon_front_end_and_launches_all_its_warps(kernel_ar
       out_type=(jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((4,), np.int64),
                 _compat.scratch_out_type(8)),
       grid=(8,), num_warps=8, compute_capability=90, M=m, K=k, N=n, BLOCK_M=128, BLOCK_N=256,
-      BLOCK_K=64, GROUP_M=8, STAGES=3, NUM_CTAS=8, TRACE=False, EPI_PARTS=1)
+      BLOCK_K=64, GROUP_M=8, STAGES=3, NUM_CTAS=8, TRACE=False)
   _export(f, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), np.dtype(jnp.bfloat16)))
   assert stages == ["gluon_to_ttgir"]
   assert [a[1] for a in kernel_args] == [12]

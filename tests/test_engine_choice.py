@@ -50,17 +50,6 @@ def test_gluon_engine_needs_16_bit_operands():
   assert select.unsupported(4096, 8192, 4096, bf16, bf16, KernelConfig(engine="gluon")) is None
 
 
-def test_gemm_rs_with_an_epilogue_in_parts_is_unfused_and_says_why():
-  """An explicit epilogue_parts != 1 config for GEMM+RS is a verdict with a reason (explain shows
-  it), not a launch error; AG+GEMM takes it."""
-  from jax_autooverlap.tuning.config import OverlapConfig
-  cfg = OverlapConfig(kernel=KernelConfig(engine="gluon", num_stages=4, epilogue_parts=4))
-  v = select.choose_rs(cfg, "NVIDIA H200", 2, 8192, 2048, 4096, bf16, bf16)
-  assert v.kernel is None and "epilogue_parts=4 is not built for GEMM+RS" in v.reason
-  v = select.choose_ag(cfg, "NVIDIA H200", 2, 4096, 4096, 2048, bf16, bf16)
-  assert v.kernel == cfg.kernel and v.reason == "explicit config"
-
-
 
 @pytest.mark.usefixtures("stand_in_cuda_driver")
 def test_tuner_returns_the_measured_engine_and_explain_names_it(monkeypatch):

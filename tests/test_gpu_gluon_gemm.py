@@ -42,13 +42,3 @@ def test_engine_gemm_matches_xla(dtype, shape):
   from jax_autooverlap.tuning.config import KernelConfig
   _check_engine_gemm(shape, dtype, KernelConfig(engine="gluon"))
 
-
-@pytest.mark.parametrize("parts,stages", [(2, 3), (2, 4), (4, 4)])
-@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (8192, 2048, 4096)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_engine_gemm_with_epilogue_in_parts_matches_xla(shape, parts, stages):
-  """KernelConfig.epilogue_parts (the tile written out in column parts through a smaller buffer,
-  room for a 4th stage; bench/NOTES.md), ragged edges included."""
-  from jax_autooverlap.tuning.config import KernelConfig
-  _check_engine_gemm(shape, jnp.bfloat16,
-                     KernelConfig(engine="gluon", num_stages=stages, epilogue_parts=parts))

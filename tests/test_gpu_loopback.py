@@ -93,21 +93,3 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   rows, cols = case.m // 2, (case.n // 2 if op == "ag" else case.n)
   tiles = 2 * -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))
-
-
-@pytest.mark.parametrize("parts,stages", [(4, 4), (2, 3)])
-@pytest.mark.parametrize("shape", [(8192, 4096, 4096), (600, 1024, 1280)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_loopback_ag_with_epilogue_in_parts_matches_unfused(shape, parts, stages):
-  """KernelConfig.epilogue_parts in the fused AG kernel (the tile written out in column parts
-  beside a 4th stage; bench/NOTES.md): output and push as the unfused result, bit-identical
-  on repeat, ragged shard edges included."""
-  import dataclasses
-  from jax_autooverlap.runtime import cuda
-  case = lb.Case("ag", *shape)
-  loop = lb.Loopback(case, GPUS[0], seed=sum(shape) + parts)
-  cfg = dataclasses.replace(lb.kernel_configs(case, GPUS[0].device_kind, ["gluon"])["gluon"],
-                            num_stages=stages, epilogue_parts=parts)
-  res = loop.check(lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id)))
-  assert res["rel_err"] <= 2e-2 and res["push_rel_err"] == 0.0, res
-  assert res["bit_identical_repeat"], res

@@ -97,16 +97,15 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   assert over.num_comm == 3 and over.chunks == picked.chunks
   # --gluon-override (an experiment) changes the gluon engine's config only
   exp = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"],
-                          gluon_override=lb.parse_override("num_stages=4,epilogue_parts=4"))
-  assert (exp["gluon"].num_stages, exp["gluon"].epilogue_parts) == (4, 4)
+                          gluon_override=lb.parse_override("num_stages=2,group_m=4"))
+  assert (exp["gluon"].num_stages, exp["gluon"].group_m) == (2, 4)
   assert exp["tl"] == cfgs["tl"] and exp["gluon"].chunks == picked.chunks
 
 
 def test_gluon_override_names_kernel_config_fields():
   import argparse
   assert lb.parse_override("") == {}
-  assert lb.parse_override("num_stages=4,epilogue_parts=2") == {"num_stages": 4,
-                                                                 "epilogue_parts": 2}
+  assert lb.parse_override("num_stages=4,group_m=2") == {"num_stages": 4, "group_m": 2}
   for bad in ("stages=4", "num_stages=four", "engine=1"):
     with pytest.raises(argparse.ArgumentTypeError, match="expected name=integer"):
       lb.parse_override(bad)

@@ -52,15 +52,6 @@ def test_kernel_config_validation():
     KernelConfig(num_warps=2)
   with pytest.raises(ValueError, match="chunks=0"):
     KernelConfig(chunks=0)
-  with pytest.raises(ValueError, match="epilogue_parts=3 must be 1, 2 or 4"):
-    KernelConfig(engine="gluon", epilogue_parts=3)
-  with pytest.raises(ValueError, match="epilogue_parts=2 needs engine='gluon'"):
-    KernelConfig(epilogue_parts=2)
-  # the epilogue buffer shrinks with the parts: 4 stages of 128x256x64 bf16 fit with 2 of them
-  four = KernelConfig(engine="gluon", num_stages=4)
-  assert four.smem_bytes(2, 2) == 4 * 48 * 1024 + 64 * 1024
-  assert KernelConfig(engine="gluon", num_stages=4, epilogue_parts=2).smem_bytes(2, 2) == \
-      4 * 48 * 1024 + 32 * 1024
   with pytest.raises(TypeError, match="KernelConfig"):
     ao.OverlapConfig(kernel={"block_m": 64})
   with pytest.raises(ValueError, match="timeout_s"):

@@ -65,7 +65,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
-      STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace, EPI_PARTS=kernel.epilogue_parts,
+      STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   result = (out, gathered) if return_gathered else out
   return (result, timeline) if trace else result
@@ -88,8 +88,7 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
-      EPI_PARTS=kernel.epilogue_parts)
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
   return (out, timeline) if trace else out
 
 
@@ -100,9 +99,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm)."""
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
-  if kernel.epilogue_parts != 1:  # its epilogue buffer also takes the peers' whole partial tiles
-    raise ValueError(f"GEMM+RS (gluon): epilogue_parts={kernel.epilogue_parts} is not built; "
-                     "it writes whole tiles (epilogue_parts=1)")
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]

@@ -589,7 +589,7 @@ def parse_args(argv):
                        "timed even where the result is wrong")
   ap.add_argument("--gluon-override", default="", type=parse_override,
                   help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
-                       "num_stages=4,epilogue_parts=4 (the engine-alone contestant takes them too)")
+                       "num_stages=2,group_m=4 (the engine-alone contestant takes them too)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "

@@ -206,10 +206,9 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
 @gluon.jit
 def _consumer(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
               trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, WORLD: gl.constexpr,
-              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr,
-              EPI_PARTS: gl.constexpr):
+              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   BLOCK_M: gl.constexpr = o_desc.block_type.shape[1]
-  BLOCK_N: gl.constexpr = o_desc.block_type.shape[2] * EPI_PARTS
+  BLOCK_N: gl.constexpr = o_desc.block_type.shape[2]
   trace.start(trace_ptr, TRACE)
   it = 0
   j = 0
@@ -219,14 +218,9 @@ def _consumer(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
     acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
     trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    eng.stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
     # 3-D output [src, row, col]: a ragged last tile row of a shard is clipped at its end
-    if EPI_PARTS == 1:
-      eng.stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
-      eng.tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    else:
-      eng.write_out_parts(acc.to(o_desc.dtype), o_desc,
-                          [(rank + WORLD - step) % WORLD, tm * BLOCK_M], tn * BLOCK_N,
-                          c_smem.reshape([BLOCK_M, BLOCK_N // EPI_PARTS]), c_smem, EPI_PARTS)
+    eng.tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
@@ -246,7 +240,7 @@ def gluon_ag_gemm_kernel(
     NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
-    TRACE: gl.constexpr, EPI_PARTS: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
@@ -262,8 +256,7 @@ def gluon_ag_gemm_kernel(
   # waiting for the rank -> table -> epoch chain; the producer and the mover make the others.
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
-  o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1],
-                         [1, BLOCK_M, BLOCK_N // EPI_PARTS])
+  o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
   # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
   local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
   if RETURN_GATHERED:
@@ -272,14 +265,14 @@ def gluon_ag_gemm_kernel(
     gath_desc = local_desc3
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
                                                                                   STAGES)
-  c_smem = gl.allocate_shared_memory(o_desc.dtype, o_desc.block_type.shape, o_desc.layout)
+  c_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, BLOCK_N], o_desc.layout)
   mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, BOX], local_desc3.layout)
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
   gl.warp_specialize([
       (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   rank, trace_ptr, K, BLOCK_K, WORLD, TM, TN, GROUP_M, TRACE, EPI_PARTS)),
+                   rank, trace_ptr, K, BLOCK_K, WORLD, TM, TN, GROUP_M, TRACE)),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),

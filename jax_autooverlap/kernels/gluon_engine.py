@@ -269,46 +269,6 @@ def stage_out(acc, c_smem):
 
 
 @gluon.jit
-def column_halves(x):
-  """The [M, N] tile x (accumulator layout) as its two [M, N / 2] column halves: the wgmma layout
-  keeps column c of a thread's rows in its register c / 8, so each half is a subset of the
-  thread's registers (no data moves)."""
-  M: gl.constexpr = x.shape[0]
-  N: gl.constexpr = x.shape[1]
-  return x.reshape([M, 2, N // 2]).permute([0, 2, 1]).split()
-
-
-@gluon.jit
-def write_out_parts(out, desc, lead, col, stage_smem, store_smem, PARTS: gl.constexpr):
-  """Epilogue through a buffer of 1 / PARTS of the tile: the finished tile `out` ([M, N], output
-  dtype) in PARTS column parts, each staged into stage_smem ([M, N / PARTS]; store_smem the same
-  buffer shaped as desc's block) and TMA-stored at coordinates lead + [column] (lead: the one or
-  two leading coordinates of a 2-D or 3-D desc); each part waits for the previous part's store
-  to have read the buffer (stage_out).  PARTS = 2 or 4 (the kernels write a whole tile with
-  stage_out + tma_store)."""
-  W: gl.constexpr = out.shape[1] // PARTS
-  lo, hi = column_halves(out)
-  if PARTS == 2:
-    parts = (lo, hi)
-  else:
-    gl.static_assert(PARTS == 4, "write_out_parts: 2 or 4 parts")
-    l0, l1 = column_halves(lo)
-    h0, h1 = column_halves(hi)
-    parts = (l0, l1, h0, h1)
-  for i in gl.static_range(PARTS):
-    stage_out(parts[i], stage_smem)
-    _store_at(desc, lead, col + i * W, store_smem)
-
-
-@gluon.jit
-def _store_at(desc, lead, col, smem):
-  if len(lead) == 1:
-    tma_store(desc, [lead[0], col], smem)
-  else:
-    tma_store(desc, [lead[0], lead[1], col], smem)
-
-
-@gluon.jit
 def finish_partition():
   """Consumers at the end of the tile loop: no TMA store may still read shared memory."""
   tma.store_wait(0)

@@ -33,10 +33,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
 @gluon.jit
 def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr,
-              EPI_PARTS: gl.constexpr):
+              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = c_desc.block_type.shape[1] * EPI_PARTS
+  BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
   trace.start(trace_ptr, TRACE)
   it = 0
   j = 0
@@ -46,12 +45,8 @@ def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
     acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
     trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
     _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
-    if EPI_PARTS == 1:
-      eng.stage_out(acc.to(c_desc.dtype), c_smem)
-      eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    else:
-      eng.write_out_parts(acc.to(c_desc.dtype), c_desc, [tm * BLOCK_M], tn * BLOCK_N, c_smem,
-                          c_smem, EPI_PARTS)
+    eng.stage_out(acc.to(c_desc.dtype), c_smem)
+    eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
@@ -65,19 +60,17 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr, EPI_PARTS: gl.constexpr):
-  """EPI_PARTS: each tile written out in that many column parts through a buffer of that
-  fraction of the tile (KernelConfig.epilogue_parts: room for a 4th operand stage)."""
+                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N // EPI_PARTS])
+  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc, STAGES)
-  c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+  c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   gl.warp_specialize([
       (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE, EPI_PARTS)),
+                   trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])

@@ -41,9 +41,6 @@ class KernelConfig:
   chunks: int = 4      # communication chunks per shard (arrival granularity)
   num_comm: int = 8    # CTAs that move data (the rest compute)
   engine: str = "tl"   # one of ENGINES
-  # gluon: the output tile written out in this many column parts through a buffer of that
-  # fraction of the tile (room for more operand stages; GEMM+RS takes only 1)
-  epilogue_parts: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -66,17 +63,11 @@ class KernelConfig:
         if not ok:
           raise ValueError(f"KernelConfig: {name}={getattr(self, name)} must be {want} for "
                            "engine='gluon'")
-    if self.epilogue_parts not in (1, 2, 4):
-      raise ValueError(f"KernelConfig: epilogue_parts={self.epilogue_parts} must be 1, 2 or 4")
-    if self.epilogue_parts != 1 and self.engine != "gluon":
-      raise ValueError(f"KernelConfig: epilogue_parts={self.epilogue_parts} needs "
-                       f"engine='gluon' (engine={self.engine!r} writes whole tiles)")
 
   def smem_bytes(self, in_bytes: int, out_bytes: int) -> int:
-    """Shared memory of the GEMM pipeline plus the TMA-store epilogue's buffer."""
+    """Shared memory of the GEMM pipeline plus the TMA-store epilogue."""
     stage = (self.block_m * self.block_k + self.block_k * self.block_n) * in_bytes
-    return (self.num_stages * stage
-            + self.block_m * self.block_n * out_bytes // self.epilogue_parts)
+    return self.num_stages * stage + self.block_m * self.block_n * out_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

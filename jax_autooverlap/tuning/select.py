@@ -224,9 +224,6 @@ def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: in
   """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n]."""
   key = cache_key("rs", device_kind, world, m, k * world, n, dtype)
   why_not = f"M={m} is not divisible by the axis size {world}" if m % world else None
-  if why_not is None and config.kernel is not None and config.kernel.epilogue_parts != 1:
-    why_not = (f"epilogue_parts={config.kernel.epilogue_parts} is not built for GEMM+RS (its "
-               "epilogue buffer also takes the peers' whole partial tiles)")
   return _choose("rs", config, device_kind, world, key, (m, k, n), m // world, dtype, out_dtype,
                  why_not)
 
