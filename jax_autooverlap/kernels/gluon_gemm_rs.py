@@ -177,15 +177,16 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
   acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
   trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
-  # The peers' partials of this GPU's rows, and per peer r for the pushes a descriptor of
-  # r's slot for this rank and r's arrival counters from this rank (those for r == rank are
-  # never used): the address table is read here, once per CTA, not in an epilogue (a load
-  # there stalled every remote tile's epilogue by ~800 cycles: bench/NOTES.md).
+  # The peers' partials of this GPU's rows, and for the pushes to the owner of step i
+  # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
+  # counters from this rank: the address table is read here, once per CTA, not in an
+  # epilogue (a load there stalled every remote tile's epilogue by ~800 cycles), and each
+  # descriptors cost the CTA's first epilogue ~2.3 us (bench/NOTES.md): one per peer only.
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
   peer_descs = ()
   peer_flags = ()
-  for r in gl.static_range(WORLD):
-    ws_r = table_address(table_ptr, r)
+  for i in gl.static_range(WORLD - 1):
+    ws_r = table_address(table_ptr, (rank + 1 + i) % WORLD)
     slot = (ws_r + BUF_OFF).to(gl.pointer_type(out_dtype)) \
         + (parity * WORLD + rank).to(gl.int64) * SLOT
     peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
@@ -208,10 +209,10 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
     c = tm // TILES_PER_CHUNK
     if owner != rank:
       eng.stage_out(acc.to(out_dtype), c_smem)
-      for r in gl.static_range(WORLD):
-        if r == owner:
-          eng.tma_store(peer_descs[r], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-          pending_flag = peer_flags[r] + c
+      for i in gl.static_range(WORLD - 1):
+        if i == step:  # owner (rank + 1 + step) % WORLD
+          eng.tma_store(peer_descs[i], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+          pending_flag = peer_flags[i] + c
       pending = 1 - (DIAG & 1)
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
