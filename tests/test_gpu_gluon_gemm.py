@@ -19,7 +19,7 @@ if not GPUS or str(getattr(GPUS[0], "compute_capability", "")) != "9.0":
   pytest.skip("needs an sm_90 NVIDIA GPU (Hopper)", allow_module_level=True)
 
 
-def _check_engine_gemm(shape, dtype, cfg):
+def _check_engine_gemm(shape, dtype, cfg, **launch):
   """The engine's GEMM under cfg against XLA's f32-accumulated GEMM on fresh random inputs, and
   the same bits on a second call."""
   from jax_autooverlap.backends.gluon import launch_gemm
@@ -28,7 +28,7 @@ def _check_engine_gemm(shape, dtype, cfg):
   k1, k2 = jax.random.split(fresh_key())
   a = jax.device_put(randn(k1, (m, k), dtype), GPUS[0])
   b = jax.device_put((randn(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype), GPUS[0])
-  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=cfg, out_dtype=dtype,
+  f = jax.jit(lambda a, b: launch_gemm(a, b, kernel=cfg, out_dtype=dtype, **launch,
                                        num_sms=cuda.sm_count(GPUS[0].local_hardware_id)))
   got = f(a, b)
   assert_close(got, jnp.dot(a, b, preferred_element_type=jnp.float32), dtype)
@@ -42,3 +42,10 @@ def test_engine_gemm_matches_xla(dtype, shape):
   from jax_autooverlap.tuning.config import KernelConfig
   _check_engine_gemm(shape, dtype, KernelConfig(engine="gluon"))
 
+
+@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
+                                   (8192, 2048, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_engine_gemm_with_warpgroup_partitions_matches_xla(shape):
+  """kernels/gluon_gemm_wg.py (each consumer warpgroup its own partition; an experiment)."""
+  from jax_autooverlap.tuning.config import KernelConfig
+  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), wg_partitions=True)

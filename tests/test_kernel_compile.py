@@ -11,6 +11,7 @@ completion wait before a push is released.
 import dataclasses
 import glob
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,6 @@ def assert_scratch_is_the_operand(ptx):
   """The kernel's TMA-descriptor scratch is its last explicit parameter (an XLA buffer), never
   Triton's implicit global-scratch pointer (jaxlib would allocate that on every launch, which
   CUDA graphs cannot hold): see _compat.py."""
-  import re
   entry = re.search(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S)
   params = re.findall(r"\b(\w+_param_\d+)\b", entry.group(2))
   assert f"[{params[-2]}]" not in ptx and f"[{params[-1]}]" not in ptx, "implicit scratch is read"
@@ -186,3 +186,29 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
     assert out.shape == case.out_shape
   jax.export.export(program, platforms=["cuda"], disabled_checks=[
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+
+
+def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
+  """kernels/gluon_gemm_wg.py (the experiment: each consumer warpgroup its own partition)
+  builds for sm_90a: wgmma m64n256 from each partition, TMA loads and stores of 64-row halves,
+  register reallocation, 12 warps; it refuses a timeline."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
+  bf16 = jnp.dtype(jnp.bfloat16)
+  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
+                compute_capability=90, wg_partitions=True)
+  specs = [jax.ShapeDtypeStruct((1000, 1024), bf16), jax.ShapeDtypeStruct((1024, 1000), bf16)]
+  jax.export.export(jax.jit(lambda a, b: gluon.launch_gemm(a, b, **common)), platforms=["cuda"],
+                    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+                        "triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
+  assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "lost its TMA loads"
+  assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "lost its TMA stores"
+  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
+  assert_scratch_is_the_operand(ptx)
+  with pytest.raises(ValueError, match="records no timeline"):
+    jax.eval_shape(lambda a, b: gluon.launch_gemm(a, b, **common, trace=True), *specs)

@@ -67,7 +67,12 @@ def test_per_call_time_counts_only_the_contestants_kernels():
   assert lb.per_call_ms(events, ("ag_gemm_kernel",), calls=2) == pytest.approx(0.31)
   # None: every kernel but the set-up one and memsets (the cuBLAS GEMM alone may be several kernels)
   assert lb.per_call_ms(events, None, calls=2) == pytest.approx((0.62 + 0.01) / 2)
-  assert lb.per_call_ms(events, ("gluon_ag_gemm_kernel",), calls=2) is None
+  # kernels recorded but none the contestant's: an error naming them, not a wall-clock fallback
+  with pytest.raises(ValueError, match=r"none of the profiled kernels \['ag_gemm_kernel', "
+                                       r"'nvjet_tst_256x128'\] matches \['gluon_ag_gemm_kernel'\]"):
+    lb.per_call_ms(events, ("gluon_ag_gemm_kernel",), calls=2)
+  assert lb.per_call_ms([("loopback_arm_kernel", 0.003)], ("ag_gemm_kernel",), calls=2) is None
+  assert lb.per_call_ms([], ("ag_gemm_kernel",), calls=2) is None
 
 
 def test_cpu_trace_has_no_device_kernels(tmp_path):
@@ -192,7 +197,7 @@ def test_engine_benchmark_table_and_config_names(capsys):
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
   for fields in engine.CONFIGS.values():  # every named config is one the engine takes
     from jax_autooverlap.tuning.config import KernelConfig
-    KernelConfig(engine="gluon", **fields)
+    KernelConfig(engine="gluon", **{k: v for k, v in fields.items() if k != "wg_partitions"})
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err

@@ -72,14 +72,27 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
-                compute_capability: int | None = None, trace: bool = False):
-  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
+                compute_capability: int | None = None, trace: bool = False,
+                wg_partitions: bool = False):
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
+  wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline)."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
+  if wg_partitions:
+    from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
+    if trace:
+      raise ValueError("launch_gemm: wg_partitions=True records no timeline (trace=True)")
+    out, _ = jt.triton_call(
+        a, b, kernel=gluon_gemm_wg_kernel, name="ao_gemm_gluon_wg",
+        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+        grid=(num_ctas,), num_warps=int(WG_WARPS), compute_capability=compute_capability,
+        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
+    return out
   out, timeline, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
       zeroed_outputs=(1,) if trace else (),

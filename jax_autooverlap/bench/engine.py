@@ -27,6 +27,9 @@ DEFAULT_SHAPES = ["4096x8192x4096", "16384x8192x4096", "16384x8192x14336", "8192
 CONFIGS = {
     "coop-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
     "coop-128x128-s4": dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
+    # the two consumer warpgroups as two partitions (kernels/gluon_gemm_wg.py, an experiment)
+    "wg-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
+                          wg_partitions=True),
 }
 MAX_REL_ERR = 2e-2
 
@@ -51,7 +54,10 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
   errors = {}
   for name, fields in configs.items():
     try:
-      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms)
+      fields = dict(fields)
+      wg = fields.pop("wg_partitions", False)
+      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
+                                  wg_partitions=wg)
       errors[name] = lb._rel_err(program(a, b), want)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
       _log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -59,7 +65,8 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
     ok = errors[name] <= MAX_REL_ERR
     _log(f"{m}x{k}x{n} {name}: rel. error {errors[name]:.2e} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[name] = (program, (a, b), ("gluon_gemm_kernel",))
+      contestants[name] = (program, (a, b),
+                           ("gluon_gemm_wg_kernel",) if wg else ("gluon_gemm_kernel",))
   with lb._ClockSampler() as clocks:
     timed = lb.time_interleaved(contestants, rounds, calls)
   return [{"impl": "gemm_alone" if name == "gemm_alone" else "engine_alone", "config": name,

@@ -196,15 +196,16 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False):
+                   trace: bool = False, wg_partitions: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline))."""
+  (trace: (a @ b, the per-tile timeline); wg_partitions: backends/gluon.launch_gemm's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability, trace=trace)
+                       compute_capability=compute_capability, trace=trace,
+                       wg_partitions=wg_partitions)
   return jax.jit(run)
 
 
@@ -344,9 +345,16 @@ def counted(events, kernel_names, exclude=(ARM_KERNEL, "Memset")):
 
 
 def per_call_ms(events, kernel_names, calls: int) -> float | None:
-  """Device time per call of one contestant over a round of `calls` calls."""
+  """Device time per call of one contestant over a round of `calls` calls; None where the
+  profiler recorded no kernel at all.  Kernels recorded, none of them the contestant's: a
+  ValueError naming them (a name filter that misses would otherwise time the wall clock)."""
   total = sum(ms for _, ms in counted(events, kernel_names))
-  return total / calls if total > 0 else None
+  if total > 0:
+    return total / calls
+  seen = sorted({name for name, _ in counted(events, None)})
+  if seen:
+    raise ValueError(f"none of the profiled kernels {seen[:8]} matches {list(kernel_names)}")
+  return None
 
 
 class _ClockSampler:

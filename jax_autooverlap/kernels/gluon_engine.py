@@ -81,29 +81,31 @@ def make_desc(base, shape, strides, block_shape: gl.constexpr):
 
 
 @gluon.jit
-def alloc_pipeline(a_desc, b_desc, STAGES: gl.constexpr):
-  """Shared-memory operand ring and its ready/empty mbarriers, plus the tile ring."""
+def alloc_pipeline(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1):
+  """Shared-memory operand ring and its ready/empty mbarriers, plus the tile ring (CONSUMERS:
+  partitions that each hand back every stage and take every tile number)."""
   a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
   b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
   ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
   empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
   for s in gl.static_range(STAGES):
     mbarrier.init(ready.index(s), count=1)
-    mbarrier.init(empty.index(s), count=1)
-  tiles, tile_ready, tile_free = alloc_ring(gl.int32)
+    mbarrier.init(empty.index(s), count=CONSUMERS)
+  tiles, tile_ready, tile_free = alloc_ring(gl.int32, CONSUMERS)
   return a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free
 
 
 @gluon.jit
-def alloc_ring(dtype: gl.constexpr):
-  """A two-slot ring of scalars between two partitions of a CTA (the tile ring; RS's releases
-  for its signaller): slots in shared memory, a ready and a free mbarrier per slot."""
+def alloc_ring(dtype: gl.constexpr, TAKERS: gl.constexpr = 1):
+  """A two-slot ring of scalars between partitions of a CTA (the tile ring; RS's releases for
+  its signaller): slots in shared memory, a ready and a free mbarrier per slot (a slot is free
+  again once each of TAKERS partitions has taken it)."""
   box = gl.allocate_shared_memory(dtype, [TILE_RING, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
   ready = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
   free = gl.allocate_shared_memory(gl.int64, [TILE_RING, 1], mbarrier.MBarrierLayout())
   for s in gl.static_range(TILE_RING):
     mbarrier.init(ready.index(s), count=1)
-    mbarrier.init(free.index(s), count=1)
+    mbarrier.init(free.index(s), count=TAKERS)
   return box, ready, free
 
 
