@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the carried wheels, log the machine, then run the steps asked for.
 # Usage (device tool, carry [".whl"]): bash bench/run_device.sh STEP...
+#   (TRITON39=1 and carry [".whl", ".t39"]: the steps run under Triton 3.9: bench/triton39.sh)
 #   tests-ag | tests-rs   the GPU tests of one kernel (pytest -m gpu; TEST_ARGS passed on)
 #   bench-ag | bench-rs | bench-model   python -m jax_autooverlap.bench ag|rs|model (BENCH_ARGS passed on)
 #   test:tests/FILE.py    pytest -m gpu on one test file (TEST_ARGS passed on)
@@ -15,6 +16,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+# TRITON39=1 (carry .t39 too, made by `bash bench/triton39.sh pack`): Triton 3.9 ahead of the machine's 3.6
+if [[ -n ${TRITON39:-} ]]; then . bench/triton39.sh install || exit 1; fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
