@@ -168,20 +168,24 @@ def _arm(table, compute_capability=None):
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
                   compute_capability: int | None = None, return_gathered: bool = False,
-                  trace: bool = False):
+                  trace: bool = False, wg_partitions: bool = False):
   """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
   shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
-  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
+  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline).
+  wg_partitions (Gluon GEMM+RS, an experiment): backends/gluon.launch_gemm_rs's."""
   cc = dict(compute_capability=compute_capability)
   import functools
   import jax
-  if trace:  # the Gluon launchers themselves: only they record a timeline
+  if trace or wg_partitions:  # only the Gluon launchers themselves take these
     from jax_autooverlap.backends import gluon as backend
   else:
     from jax_autooverlap.backends import triton as backend
+  if wg_partitions and case.op != "rs":
+    raise ValueError("fused_program: wg_partitions is built for GEMM+RS only")
   extra = dict(trace=True) if trace else {}
   launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
-  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
+  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra,
+                                     **(dict(wg_partitions=True) if wg_partitions else {}))
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):

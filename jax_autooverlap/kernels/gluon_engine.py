@@ -247,6 +247,34 @@ def free_epilogue_buffer():
 
 
 @gluon.jit
+def mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, ROW0: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, source=None, load_source=False):
+  """mma_tile for a consumer partition of one warpgroup (kernels/gluon_gemm_wg.py): acc[ROWS,
+  BLOCK_N] (fp32) of rows [ROW0, ROW0 + ROWS) of each A stage; the stage goes back once this
+  warpgroup is past it (the empty barriers count one arrival per consumer partition); source
+  as in mma_tile, loaded by this partition."""
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout(BLOCK_N, ROWS // 16, a_bufs.dtype))
+  for k in range(0, K, BLOCK_K):
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    a = a_bufs.index(s).slice(ROW0, ROWS)
+    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
+    if source is not None:
+      KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+      if load_source and k == source_block(KB) * BLOCK_K:
+        load_epilogue_source(source)
+    tl.debug_barrier()  # this warpgroup is past k-block it-1 before its stage goes back
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+    it += 1
+  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+  tl.debug_barrier()
+  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+  return acc, it
+
+
+@gluon.jit
 def load_epilogue_source(source):
   """TMA-load source = (desc, row, col, c_smem, bar) into the epilogue buffer c_smem."""
   desc, row, col, c_smem, bar = source

@@ -12,11 +12,8 @@ k-block read by both warpgroups).  Measured on one H200 (bench/NOTES.md): 0.1-0.
 than the engine, most at K = 2048 and on the 31-wave shape; starting warpgroup 1 0, 1 or 2
 k-blocks behind warpgroup 0 changed nothing measurable (the shared stages keep them in step).
 """
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -34,26 +31,11 @@ def _warpgroup(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, t
   """Warpgroup WG: rows [64 WG, 64 WG + 64) of every tile, from the shared operand ring."""
   ROWS: gl.constexpr = c_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  layout: gl.constexpr = eng.mma_layout(BLOCK_N, WG_WARPS, a_bufs.dtype)
   it = 0
   j = 0
   t = eng.take(tiles, tile_ready, tile_free, j, WG_WARPS)
   while t < TM * TN:
-    # gluon_engine.mma_tile's loop on this warpgroup's rows of each A stage
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-    for k in range(0, K, BLOCK_K):
-      s = it % STAGES
-      mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-      a = a_bufs.index(s).slice(WG * ROWS, ROWS)
-      acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-      acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
-      tl.debug_barrier()  # this warpgroup is past k-block it-1 before its stage goes back
-      mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
-      it += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    tl.debug_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    acc, it = eng.mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, WG * ROWS, ROWS, BLOCK_N)
     _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
     eng.stage_out(acc.to(c_desc.dtype), c_smem)
     eng.tma_store(c_desc, [tm * 2 * ROWS + WG * ROWS, tn * BLOCK_N], c_smem)
