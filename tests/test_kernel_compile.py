@@ -212,34 +212,3 @@ def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert_scratch_is_the_operand(ptx)
   with pytest.raises(ValueError, match="records no timeline"):
     jax.eval_shape(lambda a, b: gluon.launch_gemm(a, b, **common, trace=True), *specs)
-
-
-def test_gemm_rs_with_warpgroup_partitions_compiles_or_says_why(monkeypatch, tmp_path):
-  """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2, an experiment): under
-  triton >= 3.7 it builds for sm_90a with the plain kernel's fast paths, one 64-row wgmma and
-  one 64-row TMA store per partition; under 3.6 the launcher refuses it with its reason."""
-  from triton.experimental.gluon.language.nvidia.hopper import tma
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b, row, rank: gluon.launch_gemm_rs(
-      a, b, row, rank, world=2, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-      timeout_s=1.0, num_sms=132, compute_capability=90, wg_partitions=True)
-  specs = [jax.ShapeDtypeStruct((1200, 512), bf16), jax.ShapeDtypeStruct((512, 1280), bf16),
-           jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
-  if not hasattr(tma, "async_load"):  # triton 3.6
-    with pytest.raises(ValueError, match="needs triton >= 3.7"):
-      jax.eval_shape(f, *specs)
-    return
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
-  assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
-  assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes/stores are not TMA stores"
-  assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"
-  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
-  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
-  assert_scratch_is_the_operand(ptx)
