@@ -10,6 +10,7 @@ completion wait before a push is released.
 """
 import dataclasses
 import glob
+import os
 import pathlib
 import re
 
@@ -212,3 +213,46 @@ def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert_scratch_is_the_operand(ptx)
   with pytest.raises(ValueError, match="records no timeline"):
     jax.eval_shape(lambda a, b: gluon.launch_gemm(a, b, **common, trace=True), *specs)
+
+
+def _ptxas_report(ptx: str, tmp_path) -> str:
+  """ptxas -v on `ptx` with the ptxas this triton compiles sm_90 with: its register report."""
+  import subprocess
+  from triton.backends.nvidia.compiler import get_ptxas
+  src = tmp_path / "kernel.ptx"
+  src.write_text(ptx)
+  run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  return run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("kind", ["gemm", "gemm_wg", "ag", "rs"])
+def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
+  """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
+  serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
+  and run correctly but slowly (seen on a GEMM+RS variant, bench/NOTES.md)."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path / "dump"))
+  bf16 = jnp.dtype(jnp.bfloat16)
+  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
+                compute_capability=90)
+  if kind in ("gemm", "gemm_wg"):
+    f = lambda a, b: gluon.launch_gemm(a, b, **common, wg_partitions=kind == "gemm_wg")
+    specs = [(8192, 4096), (4096, 4096)]
+  else:
+    launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
+    extra = dict(return_gathered=False) if kind == "ag" else {}
+    f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
+    specs = [(8192, 4096), (4096, 4096), ((6,), np.uint32), ((1,), np.int32)]
+  specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
+           else jax.ShapeDtypeStruct(s, bf16) for s in specs]
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in (tmp_path / "dump").glob("**/*.ptx")]
+  report = _ptxas_report(ptx, tmp_path)
+  assert "C7512" not in report and "serialized" not in report, report
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
