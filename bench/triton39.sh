@@ -9,8 +9,9 @@
 #
 # Slimming (each piece checked by running tests/test_kernel_compile.py on the result): the AMD
 # code generator, CUPTI and the profiler library go (the AMD backend's Python stays: backends
-# are found through the dist-info's entry points); ptxas-blackwell becomes a link to ptxas (3.9
-# asks for it even for sm_90); cuobjdump and nvdisasm go; libtriton.so loses its debug info.
+# are found through the dist-info's entry points); ptxas becomes a link to ptxas-blackwell (3.9
+# compiles sm_90 with ptxas-blackwell, CUDA 13.4; the older ptxas made the AG kernel spill);
+# cuobjdump and nvdisasm go; libtriton.so loses its debug info.
 VERSION=3.9.0
 OUT_DIR=.t39
 TARBALL=$OUT_DIR/triton39-slim.tar.xz
@@ -27,8 +28,8 @@ pack() {
   local t=$work/tree/triton
   rm -rf "$t/backends/amd/lib/libtriton_amd_codegen.so" "$t/backends/nvidia/lib/cupti" \
     "$t/backends/nvidia/lib/cupti-blackwell" "$t/backends/nvidia/bin/cuobjdump" \
-    "$t/backends/nvidia/bin/nvdisasm" "$t/backends/nvidia/bin/ptxas-blackwell" "$t/_C/libproton.so"
-  ln -s ptxas "$t/backends/nvidia/bin/ptxas-blackwell"
+    "$t/backends/nvidia/bin/nvdisasm" "$t/backends/nvidia/bin/ptxas" "$t/_C/libproton.so"
+  ln -s ptxas-blackwell "$t/backends/nvidia/bin/ptxas"
   strip --strip-debug "$t/_C/libtriton.so"
   echo "packing (xz -9e, a few minutes on two cores)..." >&2
   (cd "$work/tree" && tar cf - triton "triton-$VERSION.dist-info") | xz -T2 -9e > "$TARBALL"
