@@ -93,3 +93,18 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   rows, cols = case.m // 2, (case.n // 2 if op == "ag" else case.n)
   tiles = 2 * -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))
+
+
+@pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
+@pytest.mark.parametrize("shape", SHAPES["rs"], ids=lambda s: "x".join(map(str, s)))
+def test_gluon_rs_with_warpgroup_partitions_matches_unfused(shape):
+  """GEMM+RS with a consumer partition per warpgroup (an experiment): output, push and repeat
+  as the plain kernel, ragged tiles included."""
+  from jax_autooverlap.runtime import cuda
+  case = lb.Case("rs", *shape)
+  loop = lb.Loopback(case, GPUS[0], seed=sum(shape) + 1)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, ["gluon"])["gluon"]
+  res = loop.check(lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
+                                    wg_partitions=True))
+  assert res["rel_err"] <= 2e-2 and res["push_rel_err"] <= 1e-2, res
+  assert res["bit_identical_repeat"], res

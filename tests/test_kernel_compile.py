@@ -154,7 +154,8 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
     f, specs = (lambda a, b: gluon.launch_gemm(a, b, **common)), [(2048, 1024), (1024, 768)]
   else:
     launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
-    extra = dict(return_gathered=False) if kind == "ag" else {}
+    extra = (dict(return_gathered=False) if kind == "ag"
+             else dict(wg_partitions=True) if kind == "rs_wg" else {})
     f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
     specs = [(2048, 1024), (1024, 768), ((6,), np.uint32), ((1,), np.int32)]
   specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
@@ -227,7 +228,7 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
   return run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("kind", ["gemm", "gemm_wg", "ag", "rs"])
+@pytest.mark.parametrize("kind", ["gemm", "gemm_wg", "ag", "rs", "rs_wg"])
 def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
   """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
   serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
@@ -245,7 +246,8 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
     specs = [(8192, 4096), (4096, 4096)]
   else:
     launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
-    extra = dict(return_gathered=False) if kind == "ag" else {}
+    extra = (dict(return_gathered=False) if kind == "ag"
+             else dict(wg_partitions=True) if kind == "rs_wg" else {})
     f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
     specs = [(8192, 4096), (4096, 4096), ((6,), np.uint32), ((1,), np.int32)]
   specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
@@ -256,3 +258,29 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
+  """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2, an experiment) builds for
+  sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full
+  store-completion wait before a release, bounded acquire waits, warp specialisation."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
+  bf16 = jnp.dtype(jnp.bfloat16)
+  f = lambda a, b, row, rank: gluon.launch_gemm_rs(
+      a, b, row, rank, world=2, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
+      timeout_s=1.0, num_sms=132, compute_capability=90, wg_partitions=True)
+  specs = [jax.ShapeDtypeStruct((1200, 512), bf16), jax.ShapeDtypeStruct((512, 1280), bf16),
+           jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
+  assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes/stores are not TMA stores"
+  assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"
+  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
+  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
+  assert_scratch_is_the_operand(ptx)

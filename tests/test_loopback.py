@@ -139,6 +139,16 @@ def test_parse_args_requires_loopback_flag():
   assert (args.num_comm, args.tag, args.diag) == (4, "_c4", 3)
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
+  assert lb.parse_args(["rs", "--loopback", "--wg-partitions"]).wg_partitions
+  assert not args.wg_partitions
+
+
+def test_wg_partitions_are_for_gemm_rs_only(capsys):
+  with pytest.raises(SystemExit):
+    lb.parse_args(["ag", "--loopback", "--wg-partitions"])
+  assert "built for rs" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="GEMM\\+RS only"):
+    lb.fused_program(lb.Case("ag", 512, 256, 512), None, 132, wg_partitions=True)
 
 
 def test_kernel_lines_are_the_stream_lines_else_all_but_xlas_derived_ones():

@@ -108,8 +108,10 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   trace: bool = False):
-  """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm)."""
+                   trace: bool = False, wg_partitions: bool = False):
+  """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm;
+  wg_partitions: a consumer partition per warpgroup, an experiment: kernels/gluon_gemm_wg.py;
+  every rank of the group must launch the same, its arrival counters count halves)."""
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
@@ -121,7 +123,9 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       zeroed_outputs=((0,) if poison else ()) + ((1,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), trace_out_type(num_ctas, trace),
                 scratch_out_type(num_ctas)),
-      grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
+      grid=(num_ctas,), num_warps=kernel.num_warps // (2 if wg_partitions else 1),
+      compute_capability=compute_capability,
       M=m, K=k, N=n, STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
+      WG_PARTS=2 if wg_partitions else 1,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, timeline) if trace else out

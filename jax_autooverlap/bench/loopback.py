@@ -168,20 +168,24 @@ def _arm(table, compute_capability=None):
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
                   compute_capability: int | None = None, return_gathered: bool = False,
-                  trace: bool = False):
+                  trace: bool = False, wg_partitions: bool = False):
   """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
   shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
-  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
+  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline).
+  wg_partitions (Gluon GEMM+RS, an experiment): backends/gluon.launch_gemm_rs's."""
   cc = dict(compute_capability=compute_capability)
   import functools
   import jax
-  if trace:  # the Gluon launchers themselves: only they record a timeline
+  if trace or wg_partitions:  # only the Gluon launchers themselves take these
     from jax_autooverlap.backends import gluon as backend
   else:
     from jax_autooverlap.backends import triton as backend
+  if wg_partitions and case.op != "rs":
+    raise ValueError("fused_program: wg_partitions is built for GEMM+RS only")
   extra = dict(trace=True) if trace else {}
   launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
-  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
+  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra,
+                                     **(dict(wg_partitions=True) if wg_partitions else {}))
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):
@@ -466,7 +470,10 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
 
 def bench_case(case: Case, device, engines, rounds: int, calls: int,
                num_comm: int | None = None, diag: int = 0,
-               gluon_override: dict | None = None) -> list[dict]:
+               gluon_override: dict | None = None, wg_partitions: bool = False) -> list[dict]:
+  """Records of one case: gemm_alone, ours_tl, engine_alone, ours (the faster engine) and, with
+  wg_partitions (GEMM+RS, an experiment), ours_gluon_wg: the Gluon kernel's config with a
+  consumer partition per warpgroup, checked and timed in the same rounds (never "ours")."""
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
@@ -475,8 +482,11 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
   if "gluon" in configs:
     contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
                                    ("gluon_gemm_kernel",))
-  for engine, cfg in configs.items():
-    program = fused_program(case, cfg, num_sms)
+  variants = dict(configs)
+  if wg_partitions and "gluon" in configs:
+    variants["gluon_wg"] = configs["gluon"]
+  for engine, cfg in variants.items():
+    program = fused_program(case, cfg, num_sms, wg_partitions=engine == "gluon_wg")
     try:
       checks[engine] = lb.check(program)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
@@ -489,7 +499,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
     _log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
          f"{'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[engine] = (program, lb.fused_args(), kernel_names(engine, case.op))
+      contestants[engine] = (program, lb.fused_args(),
+                             kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))
   with _ClockSampler() as clocks:
     timed = time_interleaved(contestants, rounds, calls)
   engines_timed = [e for e in configs if e in timed]
@@ -502,7 +513,10 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
     best = min(engines_timed, key=lambda e: timed[e][0])
     records.append(("ours", timed[best], {"engine": best, **checks[best],
                                           "kernel": dataclasses.asdict(configs[best])}))
-  for e in engines_timed:
+  if "gluon_wg" in timed:
+    records.append(("ours_gluon_wg", timed["gluon_wg"], {"engine": "gluon", "wg_partitions": True,
+                                                          **checks["gluon_wg"]}))
+  for e in engines_timed + [v for v in ("gluon_wg",) if v in timed]:
     if e != "tl":
       _log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
   return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
@@ -598,12 +612,18 @@ def parse_args(argv):
   ap.add_argument("--gluon-override", default="", type=parse_override,
                   help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
                        "num_stages=2,group_m=4 (the engine-alone contestant takes them too)")
+  ap.add_argument("--wg-partitions", action="store_true",
+                  help="experiment (rs, gluon, triton >= 3.7): also time the Gluon kernel with a "
+                       "consumer partition per warpgroup (records: *-wg-partitions.json)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
                        "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
   ap.add_argument("--out", default="bench/results")
-  return ap.parse_args(argv)
+  args = ap.parse_args(argv)
+  if args.wg_partitions and args.op != "rs":
+    ap.error("--wg-partitions: built for rs (GEMM+ReduceScatter) only")
+  return args
 
 
 def main(argv=None) -> int:
@@ -628,7 +648,7 @@ def main(argv=None) -> int:
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag,
-                        args.gluon_override):
+                        args.gluon_override, args.wg_partitions):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
@@ -648,7 +668,16 @@ def main(argv=None) -> int:
   engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
   if engine:
     (out_dir / f"{stem}-engine-alone{args.tag}.json").write_text(json.dumps(engine, indent=1))
-  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+  wg = [r for r in records if r["impl"] == "ours_gluon_wg"]
+  if wg:
+    (out_dir / f"{stem}-wg-partitions{args.tag}.json").write_text(json.dumps(wg, indent=1))
+    for r in wg:
+      g = next(x["median_ms"] for x in records
+               if x["impl"] == "gemm_alone" and (x["m"], x["k"], x["n"]) == (r["m"], r["k"], r["n"]))
+      print(f"wg partitions {r['m']}x{r['k']}x{r['n']}: {r['median_ms']:.4f} ms = "
+            f"{r['median_ms'] / g:.3f} x gemm_alone")
+  path.write_text(json.dumps([r for r in records if r["impl"] not in ("engine_alone",
+                                                                      "ours_gluon_wg")], indent=1))
   table = format_table(args.op, records)
   path.with_suffix(".txt").write_text(table + "\n")
   print(table)

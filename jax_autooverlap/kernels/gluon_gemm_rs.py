@@ -43,9 +43,9 @@ from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
-                                                hand_off_release, signaller)
+                                                hand_off_release, signaller, signaller_pair)
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
-                                          wait_at_least)
+                                          wait_at_least, wait_at_least_lean)
 
 
 # Tile numbers the producer publishes carry PREFETCH when the consumers should load the
@@ -53,6 +53,7 @@ from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, 
 PREFETCH = gl.constexpr(1 << 30)
 SIGNALLER_WARPS = gl.constexpr(1)
 SIGNALLER_REGS = gl.constexpr(56)
+WG_REGS = gl.constexpr(224)  # a consumer warpgroup's own partition (WG_PARTS = 2)
 
 
 @gluon.jit
@@ -60,7 +61,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
               table_ptr, rank_ptr, out_ptr, M_OUT: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
               WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
-              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, DIAG: gl.constexpr):
+              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, DIAG: gl.constexpr,
+              WG_PARTS: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   gl.static_assert(TOTAL < PREFETCH, "tile numbers overlap the prefetch tag")
@@ -81,7 +83,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   while t < TOTAL:
     look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN, GROUP_M,
                                   TILES_PER_CHUNK, MAX_CHUNKS, a_desc.block_type.shape[0],
-                                  b_desc.block_type.shape[1], DIAG)
+                                  b_desc.block_type.shape[1], DIAG, WG_PARTS)
     eng.publish_tile(tiles, tile_ready, tile_free, j, t + look * PREFETCH)
     j += 1
     # the next claim's atomic is in flight while this tile's loads are issued
@@ -112,7 +114,7 @@ def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: 
                            WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
                            GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
                            MAX_CHUNKS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           DIAG: gl.constexpr):
+                           DIAG: gl.constexpr, WG_PARTS: gl.constexpr):
   """Producer: 1 if t is an own tile whose partial from the first peer of the summation order
   has arrived (one look, acquire, system scope, never a wait: the producer must not block
   while the consumers hold a deferred release), else 0.  The look's latency overlaps with the
@@ -122,7 +124,7 @@ def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: 
   64 KB load from DRAM in the main loop cost the tile ~2,000 cycles)."""
   step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
   c = tm // TILES_PER_CHUNK
-  expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+  expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS  # releases
   first = (rank == 0).to(gl.int32)
   look = 0
   if (rank + 1 + step) % WORLD == rank and (DIAG & 6) == 0:
@@ -152,16 +154,43 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
-              tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, my_flags, err_addr,
-              rank, parity, trace_ptr,
+def _main_loop(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.constexpr,
+               ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+               WG_PARTS: gl.constexpr, source=None, load_source=False):
+  """The consumers' main loop of one tile: the whole tile (one 8-warp partition) or rows
+  [ROW0, ROW0 + ROWS) of it (a partition per warpgroup, WG_PARTS = 2)."""
+  if WG_PARTS == 1:
+    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N, source,
+                           load_source)
+  else:
+    acc, it = eng.mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N,
+                           source, load_source)
+  return acc, it
+
+
+@gluon.jit
+def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
+              tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
-              OP_ID: gl.constexpr, DIAG: gl.constexpr, TRACE: gl.constexpr):
-  BLOCK_M: gl.constexpr = o_desc.block_type.shape[0]
+              OP_ID: gl.constexpr, DIAG: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
+              WG_PARTS: gl.constexpr):
+  """The consumers: one 8-warp partition for whole tiles (WG_PARTS = 1), or warpgroup WG's
+  partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
+  adds and stores its half, and pushes and releases it; a peer's chunk counter then counts
+  halves).  o_desc, c_smem and part_bar are this partition's.  state: the call's (my_slots,
+  my_flags, err_addr, rank, parity) from the kernel's top level (loads in flight: the default
+  partition waits for them where it first uses them), or None: loaded here after the first
+  main loop (a worker partition's arguments must be ready before any partition starts, which
+  would hold the first tile up behind the rank -> table -> epoch chain)."""
+  ROWS: gl.constexpr = o_desc.block_type.shape[0]  # rows of each tile this partition computes
+  BLOCK_M: gl.constexpr = ROWS * WG_PARTS
+  ROW0: gl.constexpr = WG * ROWS
+  WARPS: gl.constexpr = eng.NUM_WARPS // WG_PARTS
+  TRACE_HERE: gl.constexpr = TRACE if WG == 0 else False
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
   TOTAL: gl.constexpr = WORLD * TM * TN
@@ -170,26 +199,34 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   # the first main loop runs before anything that depends on this call's epoch (rank ->
   # table -> epoch, loaded meanwhile).  Every CTA has a first tile (grid <= tiles).
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
-  trace.start(trace_ptr, TRACE)
+  trace.start(trace_ptr, TRACE_HERE)
   it = 0
   j = 0
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)  # the static first tile: never tagged
-  trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
-  acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
-  trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
+  t = eng.take(tiles, tile_ready, tile_free, j, WARPS)  # the static first tile: never tagged
+  trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
+  acc, it = _main_loop(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N, WG_PARTS)
+  trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
+  if state is None:
+    rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
+                                                  MAX_CHUNKS)
+    err_addr = ws + ERROR_SLOT_OFFSET
+    my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_dtype)) \
+        + parity.to(gl.int64) * WORLD * SLOT
+  else:
+    my_slots, my_flags, err_addr, rank, parity = state
   # The peers' partials of this GPU's rows, and for the pushes to the owner of step i
   # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
   # counters from this rank: the address table is read here, once per CTA, not in an
   # epilogue (a load there stalled every remote tile's epilogue by ~800 cycles); the
   # descriptors cost the CTA's first epilogue ~0.7 us each (bench/NOTES.md): one per peer.
-  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
+  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   peer_descs = ()
   peer_flags = ()
   for i in gl.static_range(WORLD - 1):
     ws_r = table_address(table_ptr, (rank + 1 + i) % WORLD)
     slot = (ws_r + BUF_OFF).to(gl.pointer_type(out_dtype)) \
         + (parity * WORLD + rank).to(gl.int64) * SLOT
-    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N]),)
+    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [ROWS, BLOCK_N]),)
     peer_flags = peer_flags + ((ws_r + FLAGS_OFF).to(gl.pointer_type(gl.int32))
                                + (parity * WORLD + rank) * MAX_CHUNKS,)
   # the first peer of the fixed summation order (own partial, then peers in rank order)
@@ -201,7 +238,7 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
   prefetched = 0  # the first tile's partial was not prefetched
   while t < TOTAL:  # (t untagged)
     if pending != 0:
-      hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, eng.NUM_WARPS)
+      hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
       signals += 1
       pending = 0
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
@@ -211,27 +248,31 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
       eng.stage_out(acc.to(out_dtype), c_smem)
       for i in gl.static_range(WORLD - 1):
         if i == step:  # owner (rank + 1 + step) % WORLD
-          eng.tma_store(peer_descs[i], [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+          eng.tma_store(peer_descs[i], [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
           pending_flag = peer_flags[i] + c
       pending = 1 - (DIAG & 1)
     else:
-      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
       for r in gl.static_range(WORLD):
         if r != rank and (DIAG & 2) == 0:
           if r != first or prefetched == 0:
-            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
-                          TIMEOUT_NS)
-            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M, tn * BLOCK_N, c_smem,
-                                      part_bar))
+            if WG_PARTS == 1:
+              wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r,
+                            c, TIMEOUT_NS)
+            else:  # beside the live accumulator of a 4-warp partition the inline loop spilled
+              wait_at_least_lean(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
+                                 r, c, TIMEOUT_NS)
+            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
+                                      c_smem, part_bar))
           mbarrier.wait(part_bar, loads & 1)
           loads += 1
           acc += c_smem.load(acc.type.layout).to(gl.float32)
           tl.debug_barrier()  # every warp has read the partial before the buffer is reused
       eng.stage_out(acc.to(out_dtype), c_smem)
-      eng.tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
+      eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
+    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)
     j += 1
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
+    t = eng.take(tiles, tile_ready, tile_free, j, WARPS)
     prefetched = (t >= PREFETCH).to(gl.int32)
     t = t % PREFETCH
     if t < TOTAL:
@@ -240,17 +281,17 @@ def _consumer(my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, 
       _, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
       if prefetched != 0:
         fence_proxy_async()
-      trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
-      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N,
-                             (part_desc, first * M_OUT + tm * BLOCK_M, tn * BLOCK_N, c_smem,
-                              part_bar), prefetched != 0)
-      trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
+      trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
+      acc, it = _main_loop(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N,
+                           WG_PARTS, (part_desc, first * M_OUT + tm * BLOCK_M + ROW0,
+                                      tn * BLOCK_N, c_smem, part_bar), prefetched != 0)
+      trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
   if pending != 0:
-    hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, eng.NUM_WARPS)
+    hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
     signals += 1
-  eng.post(sig_box, sig_ready, sig_free, signals, 0, eng.NUM_WARPS)  # the signaller's end
+  eng.post(sig_box, sig_ready, sig_free, signals, 0, WARPS)  # the signaller's end
   eng.finish_partition()
-  trace.end(trace_ptr, TRACE)
+  trace.end(trace_ptr, TRACE_HERE)
 
 
 @lean_launch
@@ -264,8 +305,11 @@ def gluon_gemm_rs_kernel(
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
     BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
-    TRACE: gl.constexpr,
+    TRACE: gl.constexpr, WG_PARTS: gl.constexpr,
 ):
+  """WG_PARTS: 1 (one consumer partition of two warpgroups) or 2 (a partition per warpgroup,
+  the experiment of kernels/gluon_gemm_wg.py; launched with 4 warps, its default partition
+  being warpgroup 0)."""
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -282,24 +326,52 @@ def gluon_gemm_rs_kernel(
   # so the first tile (static: gluon_engine.first_tile) starts loading at once.
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-  o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [BLOCK_M, BLOCK_N])
+  ROWS: gl.constexpr = BLOCK_M // WG_PARTS  # rows of a tile per consumer partition
+  o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
-                                                                                  STAGES)
-  c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
-  part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-  mbarrier.init(part_bar, count=1)
-  sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)
-  gl.warp_specialize([
-      (_consumer, (my_slots, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty,
-                   tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, my_flags,
-                   err_addr, rank, parity,
-                   trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK,
-                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG, TRACE)),
-      (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG)),
-      (signaller, (sig_box, sig_ready, sig_free)),
-  ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
+                                                                                  STAGES, WG_PARTS)
+  if WG_PARTS == 1:
+    c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
+    part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(part_bar, count=1)
+    sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)
+    gl.warp_specialize([
+        (_consumer, ((my_slots, my_flags, err_addr, rank, parity), o_desc, c_smem, part_bar,
+                     a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
+                     sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
+                     WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS,
+                     NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG, TRACE, 0, 1)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                     table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
+                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
+        (signaller, (sig_box, sig_ready, sig_free)),
+    ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
+  else:
+    gl.static_assert(WG_PARTS == 2, "WG_PARTS: 1 or 2")
+    c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
+    c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
+    part_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for wg in gl.static_range(2):
+      mbarrier.init(part_bar.index(wg), count=1)
+    sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)  # warpgroup 0's releases
+    sig1_box, sig1_ready, sig1_free = eng.alloc_ring(gl.int64)  # warpgroup 1's
+    gl.warp_specialize([
+        (_consumer, (None, o_desc, c_smem0, part_bar.index(0), a_bufs, b_bufs, ready,
+                     empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
+                     rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
+                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
+                     DIAG, TRACE, 0, 2)),
+        (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
+                     empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
+                     table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
+                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
+                     DIAG, TRACE, 1, 2)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                     table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
+                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
+        (signaller_pair, (sig_box, sig_ready, sig_free, sig1_box, sig1_ready, sig1_free)),
+    ], [eng.NUM_WARPS // 2, eng.PRODUCER_WARPS, SIGNALLER_WARPS],
+       [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
-              eng.NUM_WARPS)
+              eng.NUM_WARPS // WG_PARTS)

@@ -94,6 +94,23 @@ def signaller(box, ready, free):
 
 
 @gluon.jit
+def signaller_pair(box0, ready0, free0, box1, ready1, free1):
+  """signaller for two posting partitions (one per consumer warpgroup), one ring each: both
+  post one release per pushed tile, in the same tile order, then a 0, so the rings are taken
+  in turn.  No deadlock: a warpgroup that runs ahead and finds its ring full holds no operand
+  stage, so the other reaches its own post."""
+  n = 0
+  flag = eng.take(box0, ready0, free0, n, 1)
+  while flag != 0:
+    signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
+    flag = eng.take(box1, ready1, free1, n, 1)
+    signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
+    n += 1
+    flag = eng.take(box0, ready0, free0, n, 1)
+  eng.take(box1, ready1, free1, n, 1)  # its 0
+
+
+@gluon.jit
 def finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS: gl.constexpr,
                 NUM_FLAGS: gl.constexpr, FLAG_BLOCK: gl.constexpr, NUM_WARPS: gl.constexpr):
   """kernels/sync.py's finish_call: the last CTA out zeroes this call's counters and advances

@@ -68,6 +68,37 @@ def signal_add(ptr, value):
   tl.atomic_add(ptr, value, sem="release", scope="sys")
 
 
+@triton.jit(noinline=True)
+def _wait_slow(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
+  """wait_at_least_lean's slow path, out of line (its registers are its own)."""
+  start = globaltimer()
+  while seen < expected:
+    seen = ld_acquire_sys(ptr)
+    if globaltimer() - start > timeout_ns:
+      rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
+      tl.store(rec + 1, op_id)
+      tl.store(rec + 2, rank)
+      tl.store(rec + 3, src)
+      tl.store(rec + 4, chunk)
+      tl.store(rec + 5, seen)
+      tl.store(rec + 6, expected)
+      tl.store(rec, ERR_TIMEOUT)
+      fence_sys()
+      trap()
+
+
+@triton.jit
+def wait_at_least_lean(ptr, expected, err_slot, op_id, rank, src, chunk,
+                       timeout_ns: tl.constexpr):
+  """wait_at_least with its polling loop out of line: one acquire load inline (the usual
+  case: the counter is already there), the bounded wait and error record in a function."""
+  seen = ld_acquire_sys(ptr)
+  if seen < expected:
+    _wait_slow(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns)
+  fence_proxy_async()
+  tl.debug_barrier()
+
+
 @triton.jit
 def wait_at_least(ptr, expected, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
   """Spin until *ptr >= expected; on timeout record (op, rank, src, chunk) in the error
