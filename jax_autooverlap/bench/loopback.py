@@ -613,7 +613,7 @@ def parse_args(argv):
                   help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
                        "num_stages=2,group_m=4 (the engine-alone contestant takes them too)")
   ap.add_argument("--wg-partitions", action="store_true",
-                  help="experiment (rs, gluon, triton >= 3.7): also time the Gluon kernel with a "
+                  help="experiment (rs, gluon engine): also time the Gluon kernel with a "
                        "consumer partition per warpgroup (records: *-wg-partitions.json)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
