@@ -139,32 +139,45 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
   assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
+def _gluon_program(kind, m, k, n, **launch):
+  """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm or
+  gemm_wg (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2,
+  this GPU's operands [m, k] and [k, n]); launch: further launcher arguments."""
+  from jax_autooverlap.backends import gluon
+  bf16 = jnp.dtype(jnp.bfloat16)
+  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
+                compute_capability=90, **launch)
+  specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
+  if kind in ("gemm", "gemm_wg"):
+    return (lambda a, b: gluon.launch_gemm(a, b, **common, wg_partitions=kind == "gemm_wg")), specs
+  launch_op = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
+  extra = (dict(return_gathered=False) if kind == "ag"
+           else dict(wg_partitions=True) if kind == "rs_wg" else {})
+  f = lambda a, b, row, rank: launch_op(a, b, row, rank, world=2, timeout_s=1.0, **extra,
+                                        **common)
+  return f, specs + [jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
+
+
+def _exported_ptx(monkeypatch, dump_dir, f, specs) -> str:
+  """The PTX jax-triton compiles for f's one kernel (lowered for cuda via jax.export)."""
+  from jax_autooverlap._compat import import_jax_triton
+  import_jax_triton()
+  from jax_triton import triton_lib
+  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(dump_dir))
+  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  (ptx,) = [p.read_text() for p in pathlib.Path(dump_dir).glob("**/*.ptx")]
+  return ptx
+
+
 @pytest.mark.parametrize("kind", ["gemm", "ag", "rs"])
 def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path, kind):
   """kernels/gluon_trace.py: a trace build reads %clock64 and stores the stamps; the normal
   build (every other test here) has no clock reads."""
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
-  cfg, bf16 = KernelConfig(engine="gluon"), jnp.dtype(jnp.bfloat16)
-  common = dict(kernel=cfg, out_dtype=bf16, num_sms=132, compute_capability=90, trace=True)
-  if kind == "gemm":
-    f, specs = (lambda a, b: gluon.launch_gemm(a, b, **common)), [(2048, 1024), (1024, 768)]
-  else:
-    launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
-    extra = (dict(return_gathered=False) if kind == "ag"
-             else dict(wg_partitions=True) if kind == "rs_wg" else {})
-    f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
-    specs = [(2048, 1024), (1024, 768), ((6,), np.uint32), ((1,), np.int32)]
-  specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
-           else jax.ShapeDtypeStruct(s, bf16) for s in specs]
+  f, specs = _gluon_program(kind, 2048, 1024, 768, trace=True)
   out = jax.eval_shape(f, *specs)
   assert out[1].shape[1:] == (257, 4) and out[1].dtype == np.int64
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
 
@@ -194,26 +207,15 @@ def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   """kernels/gluon_gemm_wg.py (the experiment: each consumer warpgroup its own partition)
   builds for sm_90a: wgmma m64n256 from each partition, TMA loads and stores of 64-row halves,
   register reallocation, 12 warps; it refuses a timeline."""
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
-  bf16 = jnp.dtype(jnp.bfloat16)
-  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
-                compute_capability=90, wg_partitions=True)
-  specs = [jax.ShapeDtypeStruct((1000, 1024), bf16), jax.ShapeDtypeStruct((1024, 1000), bf16)]
-  jax.export.export(jax.jit(lambda a, b: gluon.launch_gemm(a, b, **common)), platforms=["cuda"],
-                    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-                        "triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  f, specs = _gluon_program("gemm_wg", 1000, 1024, 1000)
+  ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
   assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "lost its TMA loads"
   assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "lost its TMA stores"
   assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
   assert_scratch_is_the_operand(ptx)
   with pytest.raises(ValueError, match="records no timeline"):
-    jax.eval_shape(lambda a, b: gluon.launch_gemm(a, b, **common, trace=True), *specs)
+    jax.eval_shape(_gluon_program("gemm_wg", 1000, 1024, 1000, trace=True)[0], *specs)
 
 
 def _ptxas_report(ptx: str, tmp_path) -> str:
@@ -233,28 +235,7 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
   """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
   serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
   and run correctly but slowly (seen on a GEMM+RS variant, bench/NOTES.md)."""
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path / "dump"))
-  bf16 = jnp.dtype(jnp.bfloat16)
-  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
-                compute_capability=90)
-  if kind in ("gemm", "gemm_wg"):
-    f = lambda a, b: gluon.launch_gemm(a, b, **common, wg_partitions=kind == "gemm_wg")
-    specs = [(8192, 4096), (4096, 4096)]
-  else:
-    launch = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
-    extra = (dict(return_gathered=False) if kind == "ag"
-             else dict(wg_partitions=True) if kind == "rs_wg" else {})
-    f = lambda a, b, row, rank: launch(a, b, row, rank, world=2, timeout_s=1.0, **extra, **common)
-    specs = [(8192, 4096), (4096, 4096), ((6,), np.uint32), ((1,), np.int32)]
-  specs = [jax.ShapeDtypeStruct(s[0], s[1]) if isinstance(s[0], tuple)
-           else jax.ShapeDtypeStruct(s, bf16) for s in specs]
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in (tmp_path / "dump").glob("**/*.ptx")]
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program(kind, 8192, 4096, 4096))
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
@@ -264,20 +245,7 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2, an experiment) builds for
   sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full
   store-completion wait before a release, bounded acquire waits, warp specialisation."""
-  from jax_autooverlap._compat import import_jax_triton
-  from jax_autooverlap.backends import gluon
-  import_jax_triton()
-  from jax_triton import triton_lib
-  monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b, row, rank: gluon.launch_gemm_rs(
-      a, b, row, rank, world=2, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-      timeout_s=1.0, num_sms=132, compute_capability=90, wg_partitions=True)
-  specs = [jax.ShapeDtypeStruct((1200, 512), bf16), jax.ShapeDtypeStruct((512, 1280), bf16),
-           jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
-  jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
-  (ptx,) = [p.read_text() for p in tmp_path.glob("**/*.ptx")]
+  ptx = _exported_ptx(monkeypatch, tmp_path, *_gluon_program("rs_wg", 1200, 512, 1280))
   assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
   assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes/stores are not TMA stores"
   assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"

@@ -516,8 +516,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
   if "gluon_wg" in timed:
     records.append(("ours_gluon_wg", timed["gluon_wg"], {"engine": "gluon", "wg_partitions": True,
                                                           **checks["gluon_wg"]}))
-  for e in engines_timed + [v for v in ("gluon_wg",) if v in timed]:
-    if e != "tl":
+  for e in variants:
+    if e != "tl" and e in timed:
       _log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
   return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
           for impl, (ms, info), extra in records]

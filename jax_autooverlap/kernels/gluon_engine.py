@@ -198,8 +198,12 @@ def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it):
 
 @gluon.jit
 def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, source=None, load_source=False):
+             BLOCK_N: gl.constexpr, source=None, load_source=False, ROW0: gl.constexpr = 0):
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
+
+  BLOCK_M rows of each A stage from row ROW0: the whole stage (the engine's 8-warp consumer
+  partition), or one warpgroup's 64 rows (a partition per warpgroup, kernels/gluon_gemm_wg.py;
+  the empty barriers then count one arrival per partition).
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
   at most one outstanding group means k-block i-1's MMA is done, so its stage
@@ -216,17 +220,21 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   MMA of k-block SOURCE_AT, instead of after it (K a constexpr then).
   """
   STAGES: gl.constexpr = a_bufs.shape[0]
-  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, NUM_WARPS, a_bufs.dtype))
+  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, BLOCK_M // 16, a_bufs.dtype))
   for k in range(0, K, BLOCK_K):
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+    if BLOCK_M == a_bufs.shape[1]:
+      a = a_bufs.index(s)
+    else:
+      a = a_bufs.index(s).slice(ROW0, BLOCK_M)
+    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
     if source is not None:
       KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
       if load_source and k == source_block(KB) * BLOCK_K:
         load_epilogue_source(source)
-    # both warpgroups are past k-block it-1 before its stage is handed back
+    # every warpgroup of the partition is past k-block it-1 before its stage is handed back
     tl.debug_barrier()
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
     it += 1
@@ -244,34 +252,6 @@ def free_epilogue_buffer():
   tma.store_wait(0)
   fence_async_shared()
   tl.debug_barrier()
-
-
-@gluon.jit
-def mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, ROW0: gl.constexpr,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, source=None, load_source=False):
-  """mma_tile for a consumer partition of one warpgroup (kernels/gluon_gemm_wg.py): acc[ROWS,
-  BLOCK_N] (fp32) of rows [ROW0, ROW0 + ROWS) of each A stage; the stage goes back once this
-  warpgroup is past it (the empty barriers count one arrival per consumer partition); source
-  as in mma_tile, loaded by this partition."""
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  acc = gl.zeros([ROWS, BLOCK_N], gl.float32, mma_layout(BLOCK_N, ROWS // 16, a_bufs.dtype))
-  for k in range(0, K, BLOCK_K):
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    a = a_bufs.index(s).slice(ROW0, ROWS)
-    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
-    if source is not None:
-      KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-      if load_source and k == source_block(KB) * BLOCK_K:
-        load_epilogue_source(source)
-    tl.debug_barrier()  # this warpgroup is past k-block it-1 before its stage goes back
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
-    it += 1
-  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-  tl.debug_barrier()
-  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-  return acc, it
 
 
 @gluon.jit

@@ -43,9 +43,9 @@ from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
-                                                hand_off_release, signaller, signaller_pair)
+                                                hand_off_release, signaller)
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
-                                          wait_at_least, wait_at_least_lean)
+                                          wait_at_least)
 
 
 # Tile numbers the producer publishes carry PREFETCH when the consumers should load the
@@ -154,21 +154,6 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _main_loop(a_bufs, b_bufs, ready, empty, it, K: gl.constexpr, BLOCK_K: gl.constexpr,
-               ROW0: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-               WG_PARTS: gl.constexpr, source=None, load_source=False):
-  """The consumers' main loop of one tile: the whole tile (one 8-warp partition) or rows
-  [ROW0, ROW0 + ROWS) of it (a partition per warpgroup, WG_PARTS = 2)."""
-  if WG_PARTS == 1:
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N, source,
-                           load_source)
-  else:
-    acc, it = eng.mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N,
-                           source, load_source)
-  return acc, it
-
-
-@gluon.jit
 def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
@@ -204,7 +189,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   j = 0
   t = eng.take(tiles, tile_ready, tile_free, j, WARPS)  # the static first tile: never tagged
   trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
-  acc, it = _main_loop(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N, WG_PARTS)
+  acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N, ROW0=ROW0)
   trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
   if state is None:
     rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
@@ -256,12 +241,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       for r in gl.static_range(WORLD):
         if r != rank and (DIAG & 2) == 0:
           if r != first or prefetched == 0:
-            if WG_PARTS == 1:
-              wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r,
-                            c, TIMEOUT_NS)
-            else:  # beside the live accumulator of a 4-warp partition the inline loop spilled
-              wait_at_least_lean(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
-                                 r, c, TIMEOUT_NS)
+            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+                          TIMEOUT_NS, WG_PARTS > 1)
             eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
                                       c_smem, part_bar))
           mbarrier.wait(part_bar, loads & 1)
@@ -282,9 +263,9 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       if prefetched != 0:
         fence_proxy_async()
       trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
-      acc, it = _main_loop(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROW0, ROWS, BLOCK_N,
-                           WG_PARTS, (part_desc, first * M_OUT + tm * BLOCK_M + ROW0,
-                                      tn * BLOCK_N, c_smem, part_bar), prefetched != 0)
+      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N,
+                             (part_desc, first * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
+                              c_smem, part_bar), prefetched != 0, ROW0)
       trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
   if pending != 0:
     hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
@@ -344,7 +325,7 @@ def gluon_gemm_rs_kernel(
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
                      FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
-        (signaller, (sig_box, sig_ready, sig_free)),
+        (signaller, (((sig_box, sig_ready, sig_free),),)),
     ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
   else:
     gl.static_assert(WG_PARTS == 2, "WG_PARTS: 1 or 2")
@@ -369,7 +350,7 @@ def gluon_gemm_rs_kernel(
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
                      FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
-        (signaller_pair, (sig_box, sig_ready, sig_free, sig1_box, sig1_ready, sig1_free)),
+        (signaller, (((sig_box, sig_ready, sig_free), (sig1_box, sig1_ready, sig1_free)),)),
     ], [eng.NUM_WARPS // 2, eng.PRODUCER_WARPS, SIGNALLER_WARPS],
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])
 

@@ -35,7 +35,8 @@ def _warpgroup(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, t
   j = 0
   t = eng.take(tiles, tile_ready, tile_free, j, WG_WARPS)
   while t < TM * TN:
-    acc, it = eng.mma_rows(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, WG * ROWS, ROWS, BLOCK_N)
+    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N,
+                           ROW0=WG * ROWS)
     _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
     eng.stage_out(acc.to(c_desc.dtype), c_smem)
     eng.tma_store(c_desc, [tm * 2 * ROWS + WG * ROWS, tn * BLOCK_N], c_smem)

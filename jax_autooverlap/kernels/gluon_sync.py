@@ -82,32 +82,24 @@ def hand_off_release(flag, box, ready, free, n, NUM_WARPS: gl.constexpr):
 
 
 @gluon.jit
-def signaller(box, ready, free):
-  """One-warp partition: add 1 (release, system scope) to every counter posted in the ring
-  (hand_off_release), until a 0 arrives."""
+def signaller(rings):
+  """One-warp partition: add 1 (release, system scope) to every counter posted in the rings
+  (hand_off_release; rings: (box, ready, free) per posting partition), until a 0 arrives.
+  With several rings (a consumer partition per warpgroup) every poster posts one release per
+  pushed tile, in the same tile order, then a 0, so the rings are taken in turn; no deadlock:
+  a poster that runs ahead and finds its ring full holds no operand stage, so the others
+  reach their own posts."""
   n = 0
-  flag = eng.take(box, ready, free, n, 1)
+  flag = eng.take(rings[0][0], rings[0][1], rings[0][2], n, 1)
   while flag != 0:
     signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
+    for i in gl.static_range(1, len(rings)):
+      other = eng.take(rings[i][0], rings[i][1], rings[i][2], n, 1)
+      signal_add(other.to(gl.pointer_type(gl.int32)), 1)
     n += 1
-    flag = eng.take(box, ready, free, n, 1)
-
-
-@gluon.jit
-def signaller_pair(box0, ready0, free0, box1, ready1, free1):
-  """signaller for two posting partitions (one per consumer warpgroup), one ring each: both
-  post one release per pushed tile, in the same tile order, then a 0, so the rings are taken
-  in turn.  No deadlock: a warpgroup that runs ahead and finds its ring full holds no operand
-  stage, so the other reaches its own post."""
-  n = 0
-  flag = eng.take(box0, ready0, free0, n, 1)
-  while flag != 0:
-    signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
-    flag = eng.take(box1, ready1, free1, n, 1)
-    signal_add(flag.to(gl.pointer_type(gl.int32)), 1)
-    n += 1
-    flag = eng.take(box0, ready0, free0, n, 1)
-  eng.take(box1, ready1, free1, n, 1)  # its 0
+    flag = eng.take(rings[0][0], rings[0][1], rings[0][2], n, 1)
+  for i in gl.static_range(1, len(rings)):
+    eng.take(rings[i][0], rings[i][1], rings[i][2], n, 1)  # their 0s
 
 
 @gluon.jit

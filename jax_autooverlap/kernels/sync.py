@@ -68,9 +68,27 @@ def signal_add(ptr, value):
   tl.atomic_add(ptr, value, sem="release", scope="sys")
 
 
-@triton.jit(noinline=True)
-def _wait_slow(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
-  """wait_at_least_lean's slow path, out of line (its registers are its own)."""
+@triton.jit
+def wait_at_least(ptr, expected, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr,
+                  OUT_OF_LINE: tl.constexpr = False):
+  """Spin until *ptr >= expected; on timeout record (op, rank, src, chunk) in the error
+  record whose address is stored at err_slot, and trap.  OUT_OF_LINE: the first acquire load
+  inline (the usual case: the counter is already there), the polling loop in a function of its
+  own, whose registers are its own (inline beside a live accumulator in a one-warpgroup
+  partition, the loop made ptxas spill it: bench/NOTES.md)."""
+  seen = ld_acquire_sys(ptr)
+  if seen < expected:
+    if OUT_OF_LINE:
+      _poll_out_of_line(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns)
+    else:
+      _poll(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns)
+  fence_proxy_async()
+  tl.debug_barrier()
+
+
+@triton.jit
+def _poll(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
+  """wait_at_least's bounded polling loop and error record."""
   start = globaltimer()
   while seen < expected:
     seen = ld_acquire_sys(ptr)
@@ -82,47 +100,17 @@ def _wait_slow(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_n
       tl.store(rec + 4, chunk)
       tl.store(rec + 5, seen)
       tl.store(rec + 6, expected)
+      # Plain store + full system fence (atomics to host memory over PCIe may be
+      # unsupported), so the record is in host memory before the trap kills us.
       tl.store(rec, ERR_TIMEOUT)
       fence_sys()
       trap()
 
 
-@triton.jit
-def wait_at_least_lean(ptr, expected, err_slot, op_id, rank, src, chunk,
-                       timeout_ns: tl.constexpr):
-  """wait_at_least with its polling loop out of line: one acquire load inline (the usual
-  case: the counter is already there), the bounded wait and error record in a function."""
-  seen = ld_acquire_sys(ptr)
-  if seen < expected:
-    _wait_slow(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns)
-  fence_proxy_async()
-  tl.debug_barrier()
-
-
-@triton.jit
-def wait_at_least(ptr, expected, err_slot, op_id, rank, src, chunk, timeout_ns: tl.constexpr):
-  """Spin until *ptr >= expected; on timeout record (op, rank, src, chunk) in the error
-  record whose address is stored at err_slot, and trap."""
-  seen = ld_acquire_sys(ptr)
-  if seen < expected:
-    start = globaltimer()
-    while seen < expected:
-      seen = ld_acquire_sys(ptr)
-      if globaltimer() - start > timeout_ns:
-        rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
-        tl.store(rec + 1, op_id)
-        tl.store(rec + 2, rank)
-        tl.store(rec + 3, src)
-        tl.store(rec + 4, chunk)
-        tl.store(rec + 5, seen)
-        tl.store(rec + 6, expected)
-        # Plain store + full system fence (atomics to host memory over PCIe may be
-        # unsupported), so the record is in host memory before the trap kills us.
-        tl.store(rec, ERR_TIMEOUT)
-        fence_sys()
-        trap()
-  fence_proxy_async()
-  tl.debug_barrier()
+@triton.jit(noinline=True)
+def _poll_out_of_line(ptr, expected, seen, err_slot, op_id, rank, src, chunk,
+                      timeout_ns: tl.constexpr):
+  _poll(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns)
 
 
 @triton.jit
