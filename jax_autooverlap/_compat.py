@@ -41,12 +41,24 @@ Three more make jax-triton 0.4.1 compile and launch Gluon kernels
    the launch fails with CUDA_ERROR_INVALID_VALUE.  The compiled PTX states
    the block size the kernel requires (`.reqntid`); we launch that many
    threads (`_KernelLib`).
+7. PTX version (any triton whose ptxas is newer than the runtime's): jax-triton
+   hands XLA the kernel's PTX, and XLA assembles it with the ptxas it finds
+   (the machine's CUDA), not with the one triton ships.  Triton writes the
+   highest `.version` its own ptxas accepts (triton 3.9: PTX 9.4 from CUDA
+   13.4's ptxas), which CUDA 13.0's ptxas rejects ("Unsupported .version 9.4;
+   current version is '9.0'", seen on the GPU machine, 2026-12-01).  We compile
+   for the lowest PTX version among the ptxas binaries XLA may use
+   (`runtime_ptxas`), when that is lower than triton's choice.
 All are installed by `import_jax_triton()`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
+import shutil
+import subprocess
 import types
 
 _TMA_TF32 = 11
@@ -184,14 +196,65 @@ class _KernelLib:
                                   *rest)
 
 
+def _ptxas_candidates() -> list[str]:
+  """ptxas binaries XLA may assemble our PTX with: the CUDA compiler's pip packages beside jax's
+  plugin, $CUDA_HOME / $CUDA_PATH, /usr/local/cuda and PATH (XLA's search covers these)."""
+  found = []
+  try:
+    import nvidia  # namespace package of NVIDIA's pip wheels (cuda_nvcc, cu13)
+    for root in nvidia.__path__:
+      for sub in ("cu13/bin", "cuda_nvcc/bin"):
+        found.append(os.path.join(root, sub, "ptxas"))
+  except ImportError:
+    pass
+  for env in ("CUDA_HOME", "CUDA_PATH"):
+    if os.environ.get(env):
+      found.append(os.path.join(os.environ[env], "bin", "ptxas"))
+  found += ["/usr/local/cuda/bin/ptxas", shutil.which("ptxas") or ""]
+  return sorted({os.path.realpath(p) for p in found if p and os.access(p, os.X_OK)})
+
+
+_PTXAS_RELEASE = re.compile(r"release (\d+\.\d+)")
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_ptxas() -> tuple[str, int] | None:
+  """The ptxas XLA may use that accepts the lowest PTX version, and that version (triton's
+  numbering: 90 = PTX 9.0); None where none is found (triton's own choice then stands)."""
+  from triton.backends.nvidia.compiler import ptx_get_version
+  found = []
+  for path in _ptxas_candidates():
+    try:
+      out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+      continue
+    release = _PTXAS_RELEASE.search(out)
+    if release:
+      found.append((ptx_get_version(release.group(1)), path))
+  return (min(found)[1], min(found)[0]) if found else None
+
+
+def runtime_ptx_options(options, arch: int):
+  """`options` with ptx_version lowered to what the runtime's ptxas accepts (fix 7)."""
+  from triton.backends.nvidia.compiler import get_ptx_version_from_options
+  found = runtime_ptxas()
+  if found is None or getattr(options, "ptx_version", "absent") == "absent":
+    return options
+  runtime = found[1]
+  if get_ptx_version_from_options(options, arch) <= runtime:
+    return options
+  return dataclasses.replace(options, ptx_version=runtime)
+
+
 def _install_shims(triton_lib):
   if getattr(triton_lib, "_ao_shims", False):
     return
   compile_ptx = triton_lib.compile_ttir_to_ptx_inplace
   compile_any = triton_lib.compile_ttir_inplace
 
-  def compile_ttir_to_ptx_inplace(ttir, cuda_backend, *args, **kwargs):  # fixes 4, 5
-    return compile_ptx(ttir, _GluonAwareStages(cuda_backend), *args, **kwargs)
+  def compile_ttir_to_ptx_inplace(ttir, cuda_backend, cuda_options, capability):  # fixes 4, 5, 7
+    options = runtime_ptx_options(cuda_options, capability)
+    return compile_ptx(ttir, _GluonAwareStages(cuda_backend), options, capability)
 
   def compile_ttir_inplace(*args, **kwargs):  # fix 2 (calls the function above)
     return _scratch_as_operand(compile_any(*args, **kwargs))

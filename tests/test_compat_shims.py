@@ -238,3 +238,63 @@ def test_lean_kernels_are_built_without_ttir():
     _compat._lean_kernels.discard("k")
   assert made == [("k", 8, 1, 1000, "ptx", "", 90, 512, 128),
                   ("other", 8, 1, 1000, "ptx", "ttir text", 90)]
+
+
+# --- PTX version the runtime's ptxas accepts (fix 7) ----------------------------------------
+
+def _fake_ptxas(tmp_path, name, release):
+  path = tmp_path / name
+  path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+  path.chmod(0o755)
+  return str(path)
+
+
+def test_runtime_ptxas_is_the_one_accepting_the_lowest_ptx(monkeypatch, tmp_path):
+  pytest.importorskip("triton.backends.nvidia.compiler")
+  paths = [_fake_ptxas(tmp_path, "new", "13.4"), _fake_ptxas(tmp_path, "old", "13.0"),
+           str(tmp_path / "missing")]
+  monkeypatch.setattr(_compat, "_ptxas_candidates", lambda: paths)
+  _compat.runtime_ptxas.cache_clear()
+  try:
+    assert _compat.runtime_ptxas() == (paths[1], 90)
+    monkeypatch.setattr(_compat, "_ptxas_candidates", lambda: [str(tmp_path / "missing")])
+    _compat.runtime_ptxas.cache_clear()
+    assert _compat.runtime_ptxas() is None
+  finally:
+    _compat.runtime_ptxas.cache_clear()
+
+
+def test_ptx_version_lowered_only_where_triton_would_write_a_newer_one(monkeypatch):
+  compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+  options = compiler.CUDAOptions()
+  own = compiler.get_ptx_version_from_options(options, 90)
+  monkeypatch.setattr(_compat, "runtime_ptxas", lambda: ("/cuda/bin/ptxas", own - 4))
+  assert _compat.runtime_ptx_options(options, 90).ptx_version == own - 4
+  monkeypatch.setattr(_compat, "runtime_ptxas", lambda: ("/cuda/bin/ptxas", own + 1))
+  assert _compat.runtime_ptx_options(options, 90) is options      # triton's own choice stands
+  monkeypatch.setattr(_compat, "runtime_ptxas", lambda: None)
+  assert _compat.runtime_ptx_options(options, 90) is options
+
+
+def test_compiled_ptx_version_is_one_the_runtime_ptxas_accepts(kernel_args):
+  """On the GPU machine XLA assembled triton 3.9's PTX 9.4 with CUDA 13.0's ptxas and failed."""
+  import re
+
+  import triton
+  import triton.language as tl
+  runtime = _compat.runtime_ptxas()
+  if runtime is None:
+    pytest.skip("no ptxas besides triton's: nothing to lower to")
+  jt = _compat.import_jax_triton()
+
+  @triton.jit
+  def add_one(x_ptr, o_ptr):
+    offs = tl.arange(0, 128)
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs) + 1)
+
+  f = lambda x: jt.triton_call(x, kernel=add_one, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                               grid=(1,), num_warps=4, compute_capability=90)
+  _export(f, jax.ShapeDtypeStruct((128,), jnp.float32))
+  (ptx,) = [a[4] for a in kernel_args]
+  major, minor = map(int, re.search(r"^\.version (\d+)\.(\d+)", ptx, re.M).groups())
+  assert major * 10 + minor <= runtime[1], (ptx[:200], runtime)

@@ -219,12 +219,15 @@ def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
 
 
 def _ptxas_report(ptx: str, tmp_path) -> str:
-  """ptxas -v on `ptx` with the ptxas this triton compiles sm_90 with: its register report."""
+  """ptxas -v on `ptx` with the ptxas XLA assembles it with on the GPU (the machine's CUDA;
+  triton's own where there is none): its register report."""
   import subprocess
   from triton.backends.nvidia.compiler import get_ptxas
+  from jax_autooverlap import _compat
   src = tmp_path / "kernel.ptx"
   src.write_text(ptx)
-  run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
+  runtime = _compat.runtime_ptxas()
+  run = subprocess.run([runtime[0] if runtime else get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
                        capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-2000:]
   return run.stdout + run.stderr
