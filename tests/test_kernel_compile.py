@@ -255,3 +255,29 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
   assert_scratch_is_the_operand(ptx)
+
+
+@pytest.mark.parametrize("tile", [(128, 128, 5), (64, 256, 4)], ids=lambda t: "{}x{}-s{}".format(*t))
+def test_cluster_engine_compiles(monkeypatch, tmp_path, tile):
+  """kernels/gluon_gemm_mc.py (triton >= 3.7): 2-CTA clusters, B multicast by the lead CTA into
+  both CTAs' shared memory, releases to the pair's barrier in the lead, one wgmma per 64 rows
+  per warpgroup, warp specialisation; ptxas: no spills, no serialized wgmma."""
+  import triton
+  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip(f"TMA multicast in Gluon needs triton >= 3.7 (this is {triton.__version__})")
+  from jax_autooverlap.backends import gluon
+  bm, bn, stages = tile
+  bf16 = jnp.dtype(jnp.bfloat16)
+  f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=bm, block_n=bn, stages=stages,
+                                             out_dtype=bf16, num_sms=132, compute_capability=90)
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f,
+                      [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)])
+  assert ".reqnctapercluster 2" in ptx
+  assert "multicast::cluster" in ptx, "B is not multicast"
+  assert "mbarrier.arrive.shared::cluster" in ptx, "no release to the pair's barrier"
+  assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16" in ptx
+  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
+  assert_scratch_is_the_operand(ptx)
+  report = _ptxas_report(ptx, tmp_path)
+  assert "C7512" not in report and "serialized" not in report, report
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report

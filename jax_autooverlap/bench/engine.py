@@ -30,6 +30,11 @@ CONFIGS = {
     # the two consumer warpgroups as two partitions (kernels/gluon_gemm_wg.py, an experiment)
     "wg-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
                           wg_partitions=True),
+    # 2-CTA clusters, B multicast, ping-pong warpgroups with a block_m x block_n tile each
+    # (kernels/gluon_gemm_mc.py, an experiment; triton >= 3.7)
+    "mc-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True),
+    "mc-128x128-s4": dict(block_m=128, block_n=128, num_stages=4, cluster=True),
+    "mc-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True),
 }
 MAX_REL_ERR = 2e-2
 
@@ -56,8 +61,12 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
     try:
       fields = dict(fields)
       wg = fields.pop("wg_partitions", False)
-      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
-                                  wg_partitions=wg)
+      if fields.pop("cluster", False):
+        program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
+      else:
+        program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
+                                    wg_partitions=wg)
+        kernel_name = "gluon_gemm_wg_kernel" if wg else "gluon_gemm_kernel"
       errors[name] = lb._rel_err(program(a, b), want)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
       _log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -65,13 +74,20 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
     ok = errors[name] <= MAX_REL_ERR
     _log(f"{m}x{k}x{n} {name}: rel. error {errors[name]:.2e} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[name] = (program, (a, b),
-                           ("gluon_gemm_wg_kernel",) if wg else ("gluon_gemm_kernel",))
+      contestants[name] = (program, (a, b), (kernel_name,))
   with lb._ClockSampler() as clocks:
     timed = lb.time_interleaved(contestants, rounds, calls)
   return [{"impl": "gemm_alone" if name == "gemm_alone" else "engine_alone", "config": name,
            "kernel": configs.get(name, {}), "rel_err": errors.get(name), "median_ms": round(ms, 4),
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
+
+
+def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int):
+  import jax
+  from jax_autooverlap.backends.gluon import launch_gemm_cluster
+  return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
+                                                  stages=num_stages, out_dtype=a.dtype,
+                                                  num_sms=num_sms))
 
 
 def format_table(records: list[dict], names) -> str:
