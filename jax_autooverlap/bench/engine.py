@@ -82,12 +82,12 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
 
 
-def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int):
+def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, diag: int = 0):
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm_cluster
   return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
                                                   stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms))
+                                                  num_sms=num_sms, diag=diag))
 
 
 def format_table(records: list[dict], names) -> str:

@@ -34,6 +34,12 @@ Invariants:
   before the receiving CTA's own expect for that phase (the transaction count goes negative,
   which PTX allows); it cannot land a phase early, because the lead issues round r + 1 of a
   stage only after both CTAs' consumers released round r, i.e. after they saw it complete.
+- A warpgroup starts tile j's main loop only after the other one's main loop of tile j - 1 has
+  passed all its stages (`turn`, one barrier per warpgroup).  Besides making the warpgroups
+  take turns on the tensor cores, this keeps every ready/empty wait at most one phase ahead of
+  the stage's last completed one: a warpgroup skips the other's tile, which may span several
+  rounds of the ring, and an mbarrier parity wait two phases ahead passes on a stale phase
+  (seen: wrong results and a hang on the GPU without it).
 - Cross-CTA barriers are initialised before warp_specialize (the compiler adds the cluster
   barrier that orders the inits before any use).
 """
@@ -62,7 +68,7 @@ def _smem_layout(shape, dtype, cga):
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              CLUSTERS: gl.constexpr):
+              CLUSTERS: gl.constexpr, DIAG: gl.constexpr):
   CM: gl.constexpr = a_desc.block_type.shape[0]
   BK: gl.constexpr = a_desc.block_type.shape[1]
   BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -75,17 +81,18 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.conste
       s = it % STAGES
       phase = ((it // STAGES) & 1) ^ 1
       mbarrier.wait(empty.index(s), phase)
-      mbarrier.wait(empty2.index(s), phase)   # the lead CTA only: both CTAs released stage s
+      if DIAG & 2 == 0:
+        mbarrier.wait(empty2.index(s), phase)   # the lead CTA only: both CTAs released stage s
       mbarrier.expect(ready.index(s), nbytes)
       tma.async_load(a_desc, [tm * CM, k], ready.index(s), a_bufs.index(s))
-      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=True)
+      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=DIAG & 1 == 0)
       it += 1
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, empty2,
+def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, empty2, turn,
               K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              CLUSTERS: gl.constexpr):
+              CLUSTERS: gl.constexpr, DIAG: gl.constexpr):
   """Warpgroup WG: tiles j = WG, WG + 2, ... of this cluster's sequence, whole."""
   CM: gl.constexpr = c_desc.block_type.shape[0]
   BN: gl.constexpr = c_desc.block_type.shape[1]
@@ -97,6 +104,8 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
   j = WG
   for t in range(gl.program_id(0) + WG * CLUSTERS, TM * TN, 2 * CLUSTERS):
     _o, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
+    if j > 0:   # the other warpgroup's main loop of tile j - 1 has passed all its stages
+      mbarrier.wait(turn.index(WG), ((j - 1) // 2) & 1)
     it = j * KB
     acc = gl.zeros([CM, BN], gl.float32, acc_layout)
     for k in range(0, K, BK):
@@ -107,19 +116,23 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
       tl.debug_barrier()   # every warp of the warpgroup is past k-block it - 1
       prev = (it + STAGES - 1) % STAGES
       mbarrier.arrive(empty.index(prev), pred=k > 0)
-      mbarrier.arrive(empty2.index(prev), pred=k > 0)
+      if DIAG & 2 == 0:
+        mbarrier.arrive(empty2.index(prev), pred=k > 0)
       it += 1
+    mbarrier.arrive(turn.index(1 - WG))   # tile j + 1 may start its main loop
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     tl.debug_barrier()
     last = (it + STAGES - 1) % STAGES
     mbarrier.arrive(empty.index(last))
-    mbarrier.arrive(empty2.index(last))
+    if DIAG & 2 == 0:
+      mbarrier.arrive(empty2.index(last))
     tma.store_wait(0)       # this warpgroup's previous tile has left its buffer
     tl.debug_barrier()
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
     tl.debug_barrier()
-    tma.async_store(c_desc, [tm * CM, tn * BN], c_smem)
+    if DIAG & 4 == 0:
+      tma.async_store(c_desc, [tm * CM, tn * BN], c_smem)
     j += 2
   tma.store_wait(0)
 
@@ -129,8 +142,11 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
 def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
                          M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, CLUSTERS: gl.constexpr):
-  """c = a @ b; BLOCK_M rows per CTA and warpgroup tile (the cluster tile is 2 BLOCK_M)."""
+                         GROUP_M: gl.constexpr, STAGES: gl.constexpr, CLUSTERS: gl.constexpr,
+                         DIAG: gl.constexpr = 0):
+  """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it
+  (hung on the GPU at 4096x8192x4096, cause not established), 2 = no pair barrier (racy),
+  4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is 2 BLOCK_M)."""
   gl.static_assert(gl.num_ctas() == 2, "launch with num_ctas=2")
   CM: gl.constexpr = 2 * BLOCK_M
   dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -146,17 +162,20 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
   ready = mbarrier.allocate_mbarrier(batch=STAGES)
   empty = mbarrier.allocate_mbarrier(batch=STAGES)
   empty2 = mbarrier.allocate_mbarrier(batch=STAGES, two_ctas=True)
+  turn = mbarrier.allocate_mbarrier(batch=2)
   for s in gl.static_range(STAGES):
     mbarrier.init(ready.index(s), count=1)
     mbarrier.init(empty.index(s), count=1)
     mbarrier.init(empty2.index(s), count=1)   # x 2: one release from each CTA
+  for w in gl.static_range(2):
+    mbarrier.init(turn.index(w), count=1)
   TM: gl.constexpr = (M + CM - 1) // CM
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   gl.warp_specialize([
-      (_consumer, (0, c_desc, c_smem.index(0), a_bufs, b_bufs, ready, empty, empty2, K, TM, TN,
-                   GROUP_M, CLUSTERS)),
-      (_consumer, (1, c_desc, c_smem.index(1), a_bufs, b_bufs, ready, empty, empty2, K, TM, TN,
-                   GROUP_M, CLUSTERS)),
+      (_consumer, (0, c_desc, c_smem.index(0), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
+                   GROUP_M, CLUSTERS, DIAG)),
+      (_consumer, (1, c_desc, c_smem.index(1), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
+                   GROUP_M, CLUSTERS, DIAG)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K, TM, TN, GROUP_M,
-                   CLUSTERS)),
+                   CLUSTERS, DIAG)),
   ], [WG_WARPS, PRODUCER_WARPS], [WG_REGS, PRODUCER_REGS])
