@@ -11,6 +11,10 @@ they share every B k-block: the cluster's lead CTA TMA-loads it once and multica
 both CTAs' shared memory, which brings the L2 -> SM traffic per FLOP back to the cooperative
 128 x 256 tile's.
 
+Measured on one H200 (bench/NOTES.md, sixth session): correct, but 1.09-1.12 x cuBLAS with
+128 x 128 tiles and 5 stages and 2.8-2.95 x with 64 x 256 and 4 stages, against the cooperative
+engine's 1.01-1.04 x; why is not established.  Not used by the fused kernels.
+
 Gluon's multi-CTA model: one program per cluster (program_id is the cluster's), tensors and
 shared memory sharded across the CTAs by their layouts' cga_layout.  A is [2 BM, BK] split
 along M (each CTA loads and holds its BM rows); B is [BK, BN] broadcast (each CTA holds all of
