@@ -205,9 +205,14 @@ def test_engine_benchmark_table_and_config_names(capsys):
   table = engine.format_table(recs, ["coop-128x256-s3", "coop-128x128-s4"])
   row = table.splitlines()[-1].split()
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
-  for fields in engine.CONFIGS.values():  # every named config is one the engine takes
-    from jax_autooverlap.tuning.config import KernelConfig
-    KernelConfig(engine="gluon", **{k: v for k, v in fields.items() if k != "wg_partitions"})
+  import inspect
+  from jax_autooverlap.tuning.config import KernelConfig
+  for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
+    fields = {k: v for k, v in fields.items() if k != "wg_partitions"}
+    if fields.pop("cluster", False):
+      inspect.signature(engine._cluster_program).bind(132, **fields)
+    else:
+      KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err

@@ -12,7 +12,7 @@ both CTAs' shared memory, which brings the L2 -> SM traffic per FLOP back to the
 128 x 256 tile's.
 
 Measured on one H200 (bench/NOTES.md, sixth session): correct, but 1.09-1.12 x cuBLAS with
-128 x 128 tiles and 5 stages and 2.8-2.95 x with 64 x 256 and 4 stages, against the cooperative
+128 x 128 tiles and 5 stages and 1.8 x with 64 x 256 and 4 stages, against the cooperative
 engine's 1.01-1.04 x; why is not established.  Not used by the fused kernels.
 
 Gluon's multi-CTA model: one program per cluster (program_id is the cluster's), tensors and
@@ -50,8 +50,8 @@ Invariants:
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (cluster, fence_async_shared, mbarrier,
+                                                              tma, warpgroup_mma, warpgroup_mma_wait)
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels.gemm_rs import tile_of
@@ -175,6 +175,10 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
     mbarrier.init(turn.index(w), count=1)
   TM: gl.constexpr = (M + CM - 1) // CM
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+  # Orders everything above (descriptors staged in shared memory, barrier inits) before any
+  # multicast into the peer: without it the compiler guards each multicast with a rendezvous
+  # of the two producers, every k-block (seen in the 64 x 256 build: 2.9 -> 1.8 x cuBLAS).
+  cluster.barrier()
   gl.warp_specialize([
       (_consumer, (0, c_desc, c_smem.index(0), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
                    GROUP_M, CLUSTERS, DIAG)),
