@@ -281,3 +281,25 @@ def test_cluster_engine_compiles(monkeypatch, tmp_path, tile):
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+def test_ping_pong_engine_without_clusters_compiles(monkeypatch, tmp_path):
+  """The cluster experiment's kernel launched with one CTA per cluster (the baseline without
+  clusters): no cluster launch, no multicast, no cross-CTA arrivals or barriers."""
+  import triton
+  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip(f"the kernel's Gluon needs triton >= 3.7 (this is {triton.__version__})")
+  from jax_autooverlap.backends import gluon
+  bf16 = jnp.dtype(jnp.bfloat16)
+  f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=128, block_n=128, stages=5, ctas=1,
+                                             out_dtype=bf16, num_sms=132, compute_capability=90)
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f,
+                      [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)])
+  assert "reqnctapercluster" not in ptx and "multicast::cluster" not in ptx
+  assert "shared::cluster" not in ptx and "barrier.cluster" not in ptx
+  assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and ".reqntid 384" in ptx
+  report = _ptxas_report(ptx, tmp_path)
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  with pytest.raises(ValueError, match="ctas=3"):
+    gluon.launch_gemm_cluster(jnp.zeros((256, 64), bf16), jnp.zeros((64, 128), bf16), block_m=128,
+                              block_n=128, stages=5, ctas=3, out_dtype=bf16, num_sms=132)

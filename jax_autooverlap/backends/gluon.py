@@ -73,9 +73,10 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dtype,
                         num_sms: int, group_m: int = 8, compute_capability: int | None = None,
-                        diag: int = 0, max_clusters: int | None = None):
+                        diag: int = 0, max_clusters: int | None = None, ctas: int = 2):
   """The experiment of kernels/gluon_gemm_mc.py (triton >= 3.7): a[M, K] @ b[K, N] in 2-CTA
-  clusters (B multicast), ping-pong warpgroups, a block_m x block_n tile per warpgroup."""
+  clusters (B multicast), ping-pong warpgroups, a block_m x block_n tile per warpgroup
+  (ctas=1: the same schedule without clusters)."""
   import triton
   from jax_autooverlap.kernels.gluon_gemm_mc import WG_WARPS, gluon_gemm_mc_kernel
   if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
@@ -84,12 +85,14 @@ def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dt
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
-  tiles = math.ceil(m / (2 * block_m)) * math.ceil(n / block_n)
-  clusters = min(num_sms // 2, tiles, max_clusters or tiles)
+  if ctas not in (1, 2):
+    raise ValueError(f"launch_gemm_cluster: ctas={ctas}; 1 or 2 CTAs per cluster")
+  tiles = math.ceil(m / (ctas * block_m)) * math.ceil(n / block_n)
+  clusters = min(num_sms // ctas, tiles, max_clusters or tiles)
   out, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_mc_kernel, name="ao_gemm_gluon_mc",
-      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(2 * clusters)),
-      grid=(clusters,), num_warps=int(WG_WARPS), num_ctas=2,
+      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(ctas * clusters)),
+      grid=(clusters,), num_warps=int(WG_WARPS), num_ctas=ctas,
       compute_capability=compute_capability, M=m, K=k, N=n, BLOCK_M=block_m, BLOCK_N=block_n,
       BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters, DIAG=diag)
   return out

@@ -35,6 +35,9 @@ CONFIGS = {
     "mc-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True),
     "mc-128x128-s4": dict(block_m=128, block_n=128, num_stages=4, cluster=True),
     "mc-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True),
+    # the same kernel and schedule without clusters (each CTA loads its own B): the baseline
+    "pp-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1),
+    "pp-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True, ctas=1),
 }
 MAX_REL_ERR = 2e-2
 
@@ -82,12 +85,13 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
 
 
-def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, diag: int = 0):
+def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, diag: int = 0,
+                     ctas: int = 2):
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm_cluster
   return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
                                                   stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms, diag=diag))
+                                                  num_sms=num_sms, diag=diag, ctas=ctas))
 
 
 def format_table(records: list[dict], names) -> str:

@@ -60,13 +60,20 @@ WG_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 WG_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
-SPLIT_M = gl.constexpr([[1, 0]])   # cga_layout: two CTAs, one half of dimension 0 each
-BROADCAST = gl.constexpr([[0, 0]])  # cga_layout: every CTA holds the whole block
 
 
 @gluon.constexpr_function
-def _smem_layout(shape, dtype, cga):
-  return gl.NVMMASharedLayout.get_default_for(shape, dtype, cga_layout=cga)
+def _cga(ctas, split):
+  """cga_layout over `ctas` (1 or 2) CTAs: split = one half of dimension 0 each, else every CTA
+  holds the whole block (broadcast); none for one CTA."""
+  if ctas == 1:
+    return []
+  return [[1, 0]] if split else [[0, 0]]
+
+
+@gluon.constexpr_function
+def _smem_layout(shape, dtype, ctas, split):
+  return gl.NVMMASharedLayout.get_default_for(shape, dtype, cga_layout=_cga(ctas, split))
 
 
 @gluon.jit
@@ -77,6 +84,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.conste
   BK: gl.constexpr = a_desc.block_type.shape[1]
   BN: gl.constexpr = b_desc.block_type.shape[1]
   STAGES: gl.constexpr = a_bufs.shape[0]
+  PAIR: gl.constexpr = gl.num_ctas() > 1 and DIAG & 2 == 0
   nbytes: gl.constexpr = a_desc.nbytes_per_cta + b_desc.nbytes_per_cta
   it = 0
   for t in range(gl.program_id(0), TM * TN, CLUSTERS):
@@ -85,11 +93,11 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.conste
       s = it % STAGES
       phase = ((it // STAGES) & 1) ^ 1
       mbarrier.wait(empty.index(s), phase)
-      if DIAG & 2 == 0:
+      if PAIR:
         mbarrier.wait(empty2.index(s), phase)   # the lead CTA only: both CTAs released stage s
       mbarrier.expect(ready.index(s), nbytes)
       tma.async_load(a_desc, [tm * CM, k], ready.index(s), a_bufs.index(s))
-      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=DIAG & 1 == 0)
+      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=gl.num_ctas() > 1 and DIAG & 1 == 0)
       it += 1
 
 
@@ -103,8 +111,10 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
   BK: gl.constexpr = a_bufs.shape[2]
   STAGES: gl.constexpr = a_bufs.shape[0]
   KB: gl.constexpr = (K + BK - 1) // BK
+  PAIR: gl.constexpr = gl.num_ctas() > 1 and DIAG & 2 == 0
   acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-      version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, BN, 16], cga_layout=SPLIT_M)
+      version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, BN, 16],
+      cga_layout=_cga(gl.num_ctas(), True))
   j = WG
   for t in range(gl.program_id(0) + WG * CLUSTERS, TM * TN, 2 * CLUSTERS):
     _o, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
@@ -120,7 +130,7 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
       tl.debug_barrier()   # every warp of the warpgroup is past k-block it - 1
       prev = (it + STAGES - 1) % STAGES
       mbarrier.arrive(empty.index(prev), pred=k > 0)
-      if DIAG & 2 == 0:
+      if PAIR:
         mbarrier.arrive(empty2.index(prev), pred=k > 0)
       it += 1
     mbarrier.arrive(turn.index(1 - WG))   # tile j + 1 may start its main loop
@@ -128,7 +138,7 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
     tl.debug_barrier()
     last = (it + STAGES - 1) % STAGES
     mbarrier.arrive(empty.index(last))
-    if DIAG & 2 == 0:
+    if PAIR:
       mbarrier.arrive(empty2.index(last))
     tma.store_wait(0)       # this warpgroup's previous tile has left its buffer
     tl.debug_barrier()
@@ -150,27 +160,34 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
                          DIAG: gl.constexpr = 0):
   """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it
   (hung on the GPU at 4096x8192x4096, cause not established), 2 = no pair barrier (racy),
-  4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is 2 BLOCK_M)."""
-  gl.static_assert(gl.num_ctas() == 2, "launch with num_ctas=2")
-  CM: gl.constexpr = 2 * BLOCK_M
+  4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is num_ctas
+  BLOCK_M).  Launched with num_ctas=2 (clusters) or 1 (the same ping-pong schedule, each CTA
+  on its own: the baseline that separates the clusters' effect)."""
+  CTAS: gl.constexpr = gl.num_ctas()
+  gl.static_assert(CTAS == 1 or CTAS == 2, "launch with num_ctas=1 or 2")
+  CM: gl.constexpr = CTAS * BLOCK_M
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[CM, BLOCK_K],
-                                      layout=_smem_layout([CM, BLOCK_K], dtype, SPLIT_M))
+                                      layout=_smem_layout([CM, BLOCK_K], dtype, CTAS, True))
   b_desc = tma.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N],
-                                      layout=_smem_layout([BLOCK_K, BLOCK_N], dtype, BROADCAST))
+                                      layout=_smem_layout([BLOCK_K, BLOCK_N], dtype, CTAS, False))
   c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[CM, BLOCK_N],
-                                      layout=_smem_layout([CM, BLOCK_N], c_ptr.dtype.element_ty, SPLIT_M))
+                                      layout=_smem_layout([CM, BLOCK_N], c_ptr.dtype.element_ty, CTAS, True))
   a_bufs = gl.allocate_shared_memory(dtype, [STAGES, CM, BLOCK_K], a_desc.layout)
   b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
   c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, CM, BLOCK_N], c_desc.layout)
   ready = mbarrier.allocate_mbarrier(batch=STAGES)
   empty = mbarrier.allocate_mbarrier(batch=STAGES)
-  empty2 = mbarrier.allocate_mbarrier(batch=STAGES, two_ctas=True)
+  if CTAS > 1:
+    empty2 = mbarrier.allocate_mbarrier(batch=STAGES, two_ctas=True)
+  else:
+    empty2 = empty    # never used: no pair
   turn = mbarrier.allocate_mbarrier(batch=2)
   for s in gl.static_range(STAGES):
     mbarrier.init(ready.index(s), count=1)
     mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(empty2.index(s), count=1)   # x 2: one release from each CTA
+    if CTAS > 1:
+      mbarrier.init(empty2.index(s), count=1)   # x 2: one release from each CTA
   for w in gl.static_range(2):
     mbarrier.init(turn.index(w), count=1)
   TM: gl.constexpr = (M + CM - 1) // CM
@@ -178,7 +195,8 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
   # Orders everything above (descriptors staged in shared memory, barrier inits) before any
   # multicast into the peer: without it the compiler guards each multicast with a rendezvous
   # of the two producers, every k-block (seen in the 64 x 256 build: 2.9 -> 1.8 x cuBLAS).
-  cluster.barrier()
+  if CTAS > 1:
+    cluster.barrier()
   gl.warp_specialize([
       (_consumer, (0, c_desc, c_smem.index(0), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
                    GROUP_M, CLUSTERS, DIAG)),
