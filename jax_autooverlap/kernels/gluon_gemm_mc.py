@@ -158,9 +158,10 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, CLUSTERS: gl.constexpr,
                          DIAG: gl.constexpr = 0):
-  """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it
-  (hung on the GPU at 4096x8192x4096, cause not established), 2 = no pair barrier (racy),
-  4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is num_ctas
+  """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it:
+  hangs (seen on the GPU), because the non-lead CTA then no longer waits for the lead's B and its
+  releases can run two phases ahead of the lead's parity waits on the pair barrier; use
+  num_ctas=1 for the schedule without multicast; 2 = no pair barrier (racy); 4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is num_ctas
   BLOCK_M).  Launched with num_ctas=2 (clusters) or 1 (the same ping-pong schedule, each CTA
   on its own: the baseline that separates the clusters' effect)."""
   CTAS: gl.constexpr = gl.num_ctas()
