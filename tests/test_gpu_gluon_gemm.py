@@ -51,12 +51,22 @@ def test_engine_gemm_with_warpgroup_partitions_matches_xla(shape):
   _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), wg_partitions=True)
 
 
+@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
+                                   (8192, 2048, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_engine_gemm_with_one_setup_fence_matches_xla(shape):
+  """gluon_engine.setup_fence (one proxy fence before warp_specialize instead of one per k-block
+  in each loop; an experiment)."""
+  from jax_autooverlap.tuning.config import KernelConfig
+  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), setup_fence=True)
+
+
 @pytest.mark.parametrize("ctas", [2, 1], ids=["cluster", "no_cluster"])
 @pytest.mark.parametrize("tile", [(128, 128, 5), (64, 256, 4)], ids=lambda t: "{}x{}-s{}".format(*t))
 @pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
                                    (8192, 2048, 4096), (640, 512, 384)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_cluster_engine_matches_xla(shape, tile, ctas):
+@pytest.mark.parametrize("fence", [False, True], ids=["", "setup_fence"])
+def test_cluster_engine_matches_xla(shape, tile, ctas, fence):
   """kernels/gluon_gemm_mc.py (2-CTA clusters, B multicast, ping-pong warpgroups; triton >= 3.7;
   ctas=1: the same schedule without clusters): full and ragged cluster tiles, one k-block,
   fewer tiles than clusters, odd tile counts per cluster (one warpgroup idle at the end),
@@ -73,6 +83,7 @@ def test_cluster_engine_matches_xla(shape, tile, ctas):
   b = jax.device_put((randn(k2, (k, n), np.float32) / np.sqrt(k)).astype(jnp.bfloat16), GPUS[0])
   f = jax.jit(lambda a, b: launch_gemm_cluster(
       a, b, block_m=bm, block_n=bn, stages=stages, out_dtype=jnp.bfloat16, ctas=ctas,
+      setup_fence=fence,
       num_sms=cuda.sm_count(GPUS[0].local_hardware_id)))
   got = f(a, b)
   assert_close(got, jnp.dot(a, b, preferred_element_type=jnp.float32), jnp.bfloat16)

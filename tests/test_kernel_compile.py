@@ -303,3 +303,49 @@ def test_ping_pong_engine_without_clusters_compiles(monkeypatch, tmp_path):
   with pytest.raises(ValueError, match="ctas=3"):
     gluon.launch_gemm_cluster(jnp.zeros((256, 64), bf16), jnp.zeros((64, 128), bf16), block_m=128,
                               block_n=128, stages=5, ctas=3, out_dtype=bf16, num_sms=132)
+
+
+def _loop_fences(ptx: str) -> int:
+  """Proxy fences (generic -> async) right before a wgmma group or a TMA load: inside loops."""
+  lines = ptx.splitlines()
+  hits = 0
+  for i, line in enumerate(lines):
+    if "wgmma.fence.sync.aligned" in line or "cp.async.bulk.tensor.2d.shared::" in line:
+      hits += any("fence.proxy.async" in l for l in lines[max(0, i - 12):i])
+  return hits
+
+
+@pytest.mark.parametrize("kind", ["engine", "cluster"])
+def test_setup_fence_replaces_the_fences_in_the_loops(monkeypatch, tmp_path, kind):
+  """gluon_engine.setup_fence: with one proxy fence before warp_specialize, the compiler puts
+  none before the producer's TMA loads or the consumers' wgmma (it does without)."""
+  import triton
+  from jax_autooverlap.backends import gluon
+  bf16 = jnp.dtype(jnp.bfloat16)
+  if kind == "cluster" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip(f"the cluster kernel needs triton >= 3.7 (this is {triton.__version__})")
+  specs = [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)]
+
+  from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
+  kernels = [gluon_gemm_kernel]
+  if kind == "cluster":
+    from jax_autooverlap.kernels.gluon_gemm_mc import gluon_gemm_mc_kernel
+    kernels = [gluon_gemm_mc_kernel]
+
+  def ptx_of(fence):
+    for k in kernels:  # compile afresh (jax-triton dumps PTX only when it compiles)
+      monkeypatch.setattr(k, "_jT_kernel_cache", {}, raising=False)
+    if kind == "engine":
+      f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
+                                         num_sms=132, compute_capability=90, setup_fence=fence)
+    else:
+      f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=128, block_n=128, stages=5,
+                                                 out_dtype=bf16, num_sms=132,
+                                                 compute_capability=90, setup_fence=fence)
+    return _exported_ptx(monkeypatch, tmp_path / f"dump-{fence}", f, specs)
+  plain, fenced = ptx_of(False), ptx_of(True)
+  assert _loop_fences(fenced) == 0
+  report = _ptxas_report(fenced, tmp_path)
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  if _loop_fences(plain) == 0:  # triton 3.6 puts none there: setup_fence changes nothing
+    pytest.skip(f"triton {triton.__version__} puts no proxy fence in the loops")

@@ -73,7 +73,8 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dtype,
                         num_sms: int, group_m: int = 8, compute_capability: int | None = None,
-                        diag: int = 0, max_clusters: int | None = None, ctas: int = 2):
+                        diag: int = 0, max_clusters: int | None = None, ctas: int = 2,
+                        setup_fence: bool = False):
   """The experiment of kernels/gluon_gemm_mc.py (triton >= 3.7): a[M, K] @ b[K, N] in 2-CTA
   clusters (B multicast), ping-pong warpgroups, a block_m x block_n tile per warpgroup
   (ctas=1: the same schedule without clusters)."""
@@ -94,15 +95,17 @@ def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dt
       out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(ctas * clusters)),
       grid=(clusters,), num_warps=int(WG_WARPS), num_ctas=ctas,
       compute_capability=compute_capability, M=m, K=k, N=n, BLOCK_M=block_m, BLOCK_N=block_n,
-      BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters, DIAG=diag)
+      BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters, DIAG=diag,
+      SETUP_FENCE=setup_fence)
   return out
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False,
-                wg_partitions: bool = False):
+                wg_partitions: bool = False, setup_fence: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
-  wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline)."""
+  wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence: the
+  experiment of gluon_engine.setup_fence."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -128,7 +131,8 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
+      SETUP_FENCE=setup_fence)
   return (out, timeline) if trace else out
 
 

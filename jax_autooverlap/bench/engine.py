@@ -38,6 +38,14 @@ CONFIGS = {
     # the same kernel and schedule without clusters (each CTA loads its own B): the baseline
     "pp-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1),
     "pp-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True, ctas=1),
+    # one proxy fence before warp_specialize instead of one per k-block in each loop
+    # (gluon_engine.setup_fence, an experiment)
+    "coop-128x256-s3-fence": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
+                                  setup_fence=True),
+    "mc-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True,
+                                setup_fence=True),
+    "pp-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1,
+                                setup_fence=True),
 }
 MAX_REL_ERR = 2e-2
 
@@ -67,8 +75,9 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
       if fields.pop("cluster", False):
         program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
       else:
+        fence = fields.pop("setup_fence", False)
         program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
-                                    wg_partitions=wg)
+                                    wg_partitions=wg, setup_fence=fence)
         kernel_name = "gluon_gemm_wg_kernel" if wg else "gluon_gemm_kernel"
       errors[name] = lb._rel_err(program(a, b), want)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
@@ -86,12 +95,13 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
 
 
 def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, diag: int = 0,
-                     ctas: int = 2):
+                     ctas: int = 2, setup_fence: bool = False):
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm_cluster
   return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
                                                   stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms, diag=diag, ctas=ctas))
+                                                  num_sms=num_sms, diag=diag, ctas=ctas,
+                                                  setup_fence=setup_fence))
 
 
 def format_table(records: list[dict], names) -> str:

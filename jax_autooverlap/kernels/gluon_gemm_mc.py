@@ -157,7 +157,7 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
                          M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, CLUSTERS: gl.constexpr,
-                         DIAG: gl.constexpr = 0):
+                         DIAG: gl.constexpr = 0, SETUP_FENCE: gl.constexpr = False):
   """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it:
   hangs (seen on the GPU), because the non-lead CTA then no longer waits for the lead's B and its
   releases can run two phases ahead of the lead's parity waits on the pair barrier; use
@@ -196,6 +196,8 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
   # Orders everything above (descriptors staged in shared memory, barrier inits) before any
   # multicast into the peer: without it the compiler guards each multicast with a rendezvous
   # of the two producers, every k-block (seen in the 64 x 256 build: 2.9 -> 1.8 x cuBLAS).
+  if SETUP_FENCE:   # gluon_engine.setup_fence: no proxy fence in the loops (not yet timed)
+    fence_async_shared(cluster=CTAS > 1)
   if CTAS > 1:
     cluster.barrier()
   gl.warp_specialize([
