@@ -46,13 +46,22 @@ def cpu_mesh(shape, names):
 _seed = [0]
 
 
-def triton_config():
-  """OverlapConfig forcing the GPU kernels; AO_TEST_ENGINE=tl|gluon runs them on that engine
-  (else the tuner's pick), as tests/gpu_two_process.py --engine does."""
-  import jax_autooverlap as ao
+def forced_kernel_config():
+  """The KernelConfig the GPU tests force: AO_TEST_ENGINE=tl|gluon runs the kernels on that
+  engine (else the tuner's pick), AO_TEST_WG_PARTITIONS=1 with gluon the warpgroup-partition
+  GEMM+RS (as tests/gpu_two_process.py --engine / --wg-partitions do)."""
   from jax_autooverlap.tuning.config import KernelConfig
   engine = os.environ.get("AO_TEST_ENGINE")
-  return ao.OverlapConfig(impl="triton", kernel=KernelConfig(engine=engine) if engine else None)
+  wg = os.environ.get("AO_TEST_WG_PARTITIONS", "") == "1"
+  if wg and engine != "gluon":
+    raise ValueError("AO_TEST_WG_PARTITIONS=1 needs AO_TEST_ENGINE=gluon")
+  return KernelConfig(engine=engine, wg_partitions=wg) if engine else None
+
+
+def triton_config():
+  """OverlapConfig forcing the GPU kernels on forced_kernel_config()."""
+  import jax_autooverlap as ao
+  return ao.OverlapConfig(impl="triton", kernel=forced_kernel_config())
 
 
 def fresh_key():

@@ -1,7 +1,7 @@
 """Two processes sharing one GPU run the fused kernels over a 2-device mesh (needs a GPU).
 
     python tests/gpu_two_process.py [--log FILE] [--scenario kernels|missing_peer]
-                                    [--engine tl|gluon]
+                                    [--engine tl|gluon [--wg-partitions]]
 
 starts each scenario as a pair of processes (CUDA_VISIBLE_DEVICES=0 in both,
 XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one
@@ -13,7 +13,9 @@ inputs are built per process (make_array_from_process_local_data) from the
 same seeded host arrays, and every result is compared with a numpy reference
 of this process's shard.  The two processes' kernels rendezvous through
 time-sliced contexts: timings mean nothing here.  --engine picks the kernels'
-engine (KernelConfig.engine; default: the tuner's choice).
+engine (KernelConfig.engine; default: the tuner's choice); --wg-partitions with the
+gluon engine runs GEMM+RS with a consumer partition per warpgroup
+(KernelConfig.wg_partitions).
 
 Scenarios:
   kernels       explain says "triton kernel ..., 2 processes"; AG+GEMM and GEMM+RS
@@ -92,8 +94,9 @@ def _worker(scenario: str, me: int, port: str):
   timeout = 2.0 if scenario == "missing_peer" else 60.0
   from jax_autooverlap.tuning.config import KernelConfig
   engine = os.environ.get("AO_TEST_ENGINE")
+  wg = os.environ.get("AO_TEST_WG_PARTITIONS", "") == "1"
   cfg = ao.OverlapConfig(impl="triton", timeout_s=timeout,
-                         kernel=KernelConfig(engine=engine) if engine else None)
+                         kernel=KernelConfig(engine=engine, wg_partitions=wg) if engine else None)
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
   rs = lambda h, w: lax.psum_scatter(h @ w, "x", scatter_dimension=0, tiled=True)
   f_ag = ao.jit(jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")),
@@ -247,6 +250,11 @@ def main(argv) -> int:
   scenarios = [argv[argv.index("--scenario") + 1]] if "--scenario" in argv else list(TIMEOUT_S)
   if "--engine" in argv:  # the workers read it (they inherit the environment)
     os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
+  if "--wg-partitions" in argv:  # GEMM+RS with a consumer partition per warpgroup (gluon)
+    if os.environ.get("AO_TEST_ENGINE") != "gluon":
+      print("--wg-partitions needs --engine gluon", file=sys.stderr)
+      return 2
+    os.environ["AO_TEST_WG_PARTITIONS"] = "1"
   checks, tails = [], []
   for scenario in scenarios:
     c, t = run_scenario(scenario)

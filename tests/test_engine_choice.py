@@ -114,3 +114,33 @@ def test_gluon_ag_push_units_are_column_slices_of_whole_boxes():
   from jax_autooverlap.backends.gluon import push_slice
   assert [push_slice(k) for k in (8192, 4096, 1024, 512, 300, 64, 8)] == [512, 512, 512, 512, 320,
                                                                           64, 64]
+
+
+def test_warpgroup_partitions_are_a_validated_gluon_only_flag():
+  assert KernelConfig().wg_partitions is False
+  assert KernelConfig(engine="gluon", wg_partitions=True).wg_partitions is True
+  with pytest.raises(ValueError, match="wg_partitions=True needs engine='gluon'"):
+    KernelConfig(wg_partitions=True)
+  with pytest.raises(ValueError, match="wg_partitions=1 must be a bool"):
+    KernelConfig(engine="gluon", wg_partitions=1)
+
+
+@pytest.mark.parametrize("wg", [False, True])
+def test_gluon_rs_launch_follows_the_configs_warpgroup_flag(monkeypatch, wg):
+  """backends/gluon.launch_gemm_rs builds the warpgroup-partition kernel (WG_PARTS = 2, its
+  default partition one warpgroup) exactly when the config says so; an explicit argument wins."""
+  from jax_autooverlap.backends import gluon
+  calls = []
+
+  def triton_call(*args, **kw):
+    calls.append(kw)
+    return "out", "timeline", "scratch"
+  monkeypatch.setattr(gluon, "import_jax_triton", lambda: SimpleNamespace(triton_call=triton_call))
+  a = jax.ShapeDtypeStruct((1024, 512), bf16)
+  b = jax.ShapeDtypeStruct((512, 768), bf16)
+  kw = dict(world=2, out_dtype=bf16, timeout_s=1.0, num_sms=132, compute_capability=90)
+  cfg = KernelConfig(engine="gluon", wg_partitions=wg)
+  assert gluon.launch_gemm_rs(a, b, "row", "rank", kernel=cfg, **kw) == "out"
+  assert gluon.launch_gemm_rs(a, b, "row", "rank", kernel=cfg, wg_partitions=not wg, **kw) == "out"
+  assert [(c["WG_PARTS"], c["num_warps"]) for c in calls] == (
+      [(2, 4), (1, 8)] if wg else [(1, 8), (2, 4)])

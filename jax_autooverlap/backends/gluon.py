@@ -139,10 +139,12 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   trace: bool = False, wg_partitions: bool = False):
+                   trace: bool = False, wg_partitions: bool | None = None):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm;
-  wg_partitions: a consumer partition per warpgroup, an experiment: kernels/gluon_gemm_wg.py;
-  every rank of the group must launch the same, its arrival counters count halves)."""
+  wg_partitions (default: kernel.wg_partitions): a consumer partition per warpgroup, an
+  experiment; every rank of the group must launch the same, its arrival counters count halves)."""
+  if wg_partitions is None:
+    wg_partitions = kernel.wg_partitions
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()

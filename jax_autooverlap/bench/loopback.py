@@ -583,7 +583,8 @@ def format_table(op: str, records: list[dict]) -> str:
 def parse_override(text: str) -> dict:
   """'name=int,...' -> {name: int}, names checked against KernelConfig's integer fields."""
   from jax_autooverlap.tuning.config import KernelConfig
-  known = {f.name for f in dataclasses.fields(KernelConfig) if f.name != "engine"}
+  known = {f.name for f in dataclasses.fields(KernelConfig)
+           if f.name not in ("engine", "wg_partitions")}  # --wg-partitions says that one
   out = {}
   for item in filter(None, text.split(",")):
     name, _, value = item.partition("=")

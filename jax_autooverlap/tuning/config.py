@@ -41,11 +41,20 @@ class KernelConfig:
   chunks: int = 4      # communication chunks per shard (arrival granularity)
   num_comm: int = 8    # CTAs that move data (the rest compute)
   engine: str = "tl"   # one of ENGINES
+  # GEMM+RS on the Gluon engine with a consumer partition per warpgroup (kernels/gluon_gemm_rs.py
+  # WG_PARTS = 2; measured 0.5-1.1 % faster in loopback, bench/NOTES.md).  An experiment: the
+  # tuner never picks it, and every rank of a group must use the same.  AG+GEMM ignores it.
+  wg_partitions: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name != "engine":
+      if f.name not in ("engine", "wg_partitions"):
         _positive_int("KernelConfig", f.name, getattr(self, f.name))
+    if not isinstance(self.wg_partitions, bool):
+      raise ValueError(f"KernelConfig: wg_partitions={self.wg_partitions!r} must be a bool")
+    if self.wg_partitions and self.engine != "gluon":
+      raise ValueError(f"KernelConfig: wg_partitions=True needs engine='gluon' "
+                       f"(engine={self.engine!r})")
     if self.engine not in ENGINES:
       raise ValueError(f"KernelConfig: engine={self.engine!r} is not one of {ENGINES}")
     for f in ("block_m", "block_n", "block_k"):
