@@ -231,7 +231,10 @@ def runtime_ptxas() -> tuple[str, int] | None:
     release = _PTXAS_RELEASE.search(out)
     if release:
       found.append((ptx_get_version(release.group(1)), path))
-  return (min(found)[1], min(found)[0]) if found else None
+  if not found:
+    return None
+  version, path = min(found)
+  return path, version
 
 
 def runtime_ptx_options(options, arch: int):

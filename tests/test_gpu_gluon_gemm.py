@@ -48,7 +48,7 @@ def test_engine_gemm_matches_xla(dtype, shape):
 def test_engine_gemm_with_warpgroup_partitions_matches_xla(shape):
   """kernels/gluon_gemm_wg.py (each consumer warpgroup its own partition; an experiment)."""
   from jax_autooverlap.tuning.config import KernelConfig
-  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), wg_partitions=True)
+  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon", wg_partitions=True))
 
 
 @pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
@@ -63,10 +63,9 @@ def test_engine_gemm_with_one_setup_fence_matches_xla(shape):
 def _check_cluster_gemm(shape, tile, **launch):
   """kernels/gluon_gemm_mc.py (triton >= 3.7) under launch against XLA's GEMM, fresh random
   inputs, and the same bits on a second call."""
-  import triton
-  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    pytest.skip(f"TMA multicast in Gluon needs triton >= 3.7 (this is {triton.__version__})")
-  from jax_autooverlap.backends.gluon import launch_gemm_cluster
+  from jax_autooverlap.backends.gluon import cluster_kernel_unsupported, launch_gemm_cluster
+  if cluster_kernel_unsupported():
+    pytest.skip(cluster_kernel_unsupported())
   from jax_autooverlap.runtime import cuda
   m, k, n = shape
   bm, bn, stages = tile

@@ -145,14 +145,13 @@ def _gluon_program(kind, m, k, n, **launch):
   this GPU's operands [m, k] and [k, n]); launch: further launcher arguments."""
   from jax_autooverlap.backends import gluon
   bf16 = jnp.dtype(jnp.bfloat16)
-  common = dict(kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
-                compute_capability=90, **launch)
+  kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"))
+  common = dict(kernel=kernel, out_dtype=bf16, num_sms=132, compute_capability=90, **launch)
   specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
   if kind in ("gemm", "gemm_wg"):
-    return (lambda a, b: gluon.launch_gemm(a, b, **common, wg_partitions=kind == "gemm_wg")), specs
+    return (lambda a, b: gluon.launch_gemm(a, b, **common)), specs
   launch_op = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
-  extra = (dict(return_gathered=False) if kind == "ag"
-           else dict(wg_partitions=True) if kind == "rs_wg" else {})
+  extra = dict(return_gathered=False) if kind == "ag" else {}
   f = lambda a, b, row, rank: launch_op(a, b, row, rank, world=2, timeout_s=1.0, **extra,
                                         **common)
   return f, specs + [jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
@@ -262,10 +261,9 @@ def test_cluster_engine_compiles(monkeypatch, tmp_path, tile):
   """kernels/gluon_gemm_mc.py (triton >= 3.7): 2-CTA clusters, B multicast by the lead CTA into
   both CTAs' shared memory, releases to the pair's barrier in the lead, one wgmma per 64 rows
   per warpgroup, warp specialisation; ptxas: no spills, no serialized wgmma."""
-  import triton
-  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    pytest.skip(f"TMA multicast in Gluon needs triton >= 3.7 (this is {triton.__version__})")
   from jax_autooverlap.backends import gluon
+  if gluon.cluster_kernel_unsupported():
+    pytest.skip(gluon.cluster_kernel_unsupported())
   bm, bn, stages = tile
   bf16 = jnp.dtype(jnp.bfloat16)
   f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=bm, block_n=bn, stages=stages,
@@ -286,10 +284,9 @@ def test_cluster_engine_compiles(monkeypatch, tmp_path, tile):
 def test_ping_pong_engine_without_clusters_compiles(monkeypatch, tmp_path):
   """The cluster experiment's kernel launched with one CTA per cluster (the baseline without
   clusters): no cluster launch, no multicast, no cross-CTA arrivals or barriers."""
-  import triton
-  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    pytest.skip(f"the kernel's Gluon needs triton >= 3.7 (this is {triton.__version__})")
   from jax_autooverlap.backends import gluon
+  if gluon.cluster_kernel_unsupported():
+    pytest.skip(gluon.cluster_kernel_unsupported())
   bf16 = jnp.dtype(jnp.bfloat16)
   f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=128, block_n=128, stages=5, ctas=1,
                                              out_dtype=bf16, num_sms=132, compute_capability=90)
@@ -322,8 +319,8 @@ def test_setup_fence_replaces_the_fences_in_the_loops(monkeypatch, tmp_path, kin
   import triton
   from jax_autooverlap.backends import gluon
   bf16 = jnp.dtype(jnp.bfloat16)
-  if kind == "cluster" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    pytest.skip(f"the cluster kernel needs triton >= 3.7 (this is {triton.__version__})")
+  if kind == "cluster" and gluon.cluster_kernel_unsupported():
+    pytest.skip(gluon.cluster_kernel_unsupported())
   specs = [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)]
 
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel

@@ -12,6 +12,7 @@ import pytest
 
 from jax_autooverlap.bench import loopback as lb
 from jax_autooverlap.runtime import workspace
+from jax_autooverlap.tuning.config import KernelConfig
 
 
 def test_local_gemm_of_each_op_is_one_gpus_share():
@@ -148,7 +149,8 @@ def test_wg_partitions_are_for_gemm_rs_only(capsys):
     lb.parse_args(["ag", "--loopback", "--wg-partitions"])
   assert "built for rs" in capsys.readouterr().err
   with pytest.raises(ValueError, match="GEMM\\+RS only"):
-    lb.fused_program(lb.Case("ag", 512, 256, 512), None, 132, wg_partitions=True)
+    lb.fused_program(lb.Case("ag", 512, 256, 512),
+                     KernelConfig(engine="gluon", wg_partitions=True), 132)
 
 
 def test_kernel_lines_are_the_stream_lines_else_all_but_xlas_derived_ones():
@@ -208,7 +210,7 @@ def test_engine_benchmark_table_and_config_names(capsys):
   import inspect
   from jax_autooverlap.tuning.config import KernelConfig
   for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
-    fields = {k: v for k, v in fields.items() if k not in ("wg_partitions", "setup_fence")}
+    fields = {k: v for k, v in fields.items() if k != "setup_fence"}
     if fields.pop("cluster", False):
       inspect.signature(engine._cluster_program).bind(132, setup_fence=True, **fields)
     else:

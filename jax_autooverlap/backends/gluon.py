@@ -71,48 +71,55 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   return (result, timeline) if trace else result
 
 
+def cluster_kernel_unsupported() -> str | None:
+  """Why this triton cannot build kernels/gluon_gemm_mc.py (its Gluon has no TMA multicast
+  before 3.7), or None."""
+  import triton
+  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+    return f"Gluon TMA multicast needs triton >= 3.7 (this is {triton.__version__})"
+  return None
+
+
 def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dtype,
                         num_sms: int, group_m: int = 8, compute_capability: int | None = None,
-                        diag: int = 0, max_clusters: int | None = None, ctas: int = 2,
-                        setup_fence: bool = False):
+                        ctas: int = 2, setup_fence: bool = False):
   """The experiment of kernels/gluon_gemm_mc.py (triton >= 3.7): a[M, K] @ b[K, N] in 2-CTA
   clusters (B multicast), ping-pong warpgroups, a block_m x block_n tile per warpgroup
   (ctas=1: the same schedule without clusters)."""
-  import triton
+  reason = cluster_kernel_unsupported()
+  if reason:
+    raise NotImplementedError(f"launch_gemm_cluster: {reason}")
   from jax_autooverlap.kernels.gluon_gemm_mc import WG_WARPS, gluon_gemm_mc_kernel
-  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    raise NotImplementedError(f"launch_gemm_cluster: Gluon TMA multicast needs triton >= 3.7 "
-                              f"(this is {triton.__version__})")
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   if ctas not in (1, 2):
     raise ValueError(f"launch_gemm_cluster: ctas={ctas}; 1 or 2 CTAs per cluster")
   tiles = math.ceil(m / (ctas * block_m)) * math.ceil(n / block_n)
-  clusters = min(num_sms // ctas, tiles, max_clusters or tiles)
+  clusters = min(num_sms // ctas, tiles)
   out, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_mc_kernel, name="ao_gemm_gluon_mc",
       out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(ctas * clusters)),
       grid=(clusters,), num_warps=int(WG_WARPS), num_ctas=ctas,
       compute_capability=compute_capability, M=m, K=k, N=n, BLOCK_M=block_m, BLOCK_N=block_n,
-      BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters, DIAG=diag,
+      BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters,
       SETUP_FENCE=setup_fence)
   return out
 
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False,
-                wg_partitions: bool = False, setup_fence: bool = False):
+                setup_fence: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
-  wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence: the
-  experiment of gluon_engine.setup_fence."""
+  kernel.wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence:
+  the experiment of gluon_engine.setup_fence."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
-  if wg_partitions:
+  if kernel.wg_partitions:
     from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
     if trace:
       raise ValueError("launch_gemm: wg_partitions=True records no timeline (trace=True)")
@@ -139,12 +146,11 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   trace: bool = False, wg_partitions: bool | None = None):
+                   trace: bool = False):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm;
-  wg_partitions (default: kernel.wg_partitions): a consumer partition per warpgroup, an
-  experiment; every rank of the group must launch the same, its arrival counters count halves)."""
-  if wg_partitions is None:
-    wg_partitions = kernel.wg_partitions
+  kernel.wg_partitions: a consumer partition per warpgroup, an experiment; every rank of the
+  group must launch the same, its arrival counters count halves)."""
+  wg_partitions = kernel.wg_partitions
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()

@@ -71,14 +71,13 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
   for name, fields in configs.items():
     try:
       fields = dict(fields)
-      wg = fields.pop("wg_partitions", False)
       if fields.pop("cluster", False):
         program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
       else:
         fence = fields.pop("setup_fence", False)
-        program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms,
-                                    wg_partitions=wg, setup_fence=fence)
-        kernel_name = "gluon_gemm_wg_kernel" if wg else "gluon_gemm_kernel"
+        cfg = KernelConfig(engine="gluon", **fields)
+        program = lb.engine_program(cfg, num_sms, setup_fence=fence)
+        kernel_name = "gluon_gemm_wg_kernel" if cfg.wg_partitions else "gluon_gemm_kernel"
       errors[name] = lb._rel_err(program(a, b), want)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
       _log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -94,13 +93,13 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
 
 
-def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, diag: int = 0,
-                     ctas: int = 2, setup_fence: bool = False):
+def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, ctas: int = 2,
+                     setup_fence: bool = False):
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm_cluster
   return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
                                                   stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms, diag=diag, ctas=ctas,
+                                                  num_sms=num_sms, ctas=ctas,
                                                   setup_fence=setup_fence))
 
 

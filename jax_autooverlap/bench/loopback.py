@@ -168,24 +168,22 @@ def _arm(table, compute_capability=None):
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
                   compute_capability: int | None = None, return_gathered: bool = False,
-                  trace: bool = False, wg_partitions: bool = False):
+                  trace: bool = False):
   """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
   shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
-  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline).
-  wg_partitions (Gluon GEMM+RS, an experiment): backends/gluon.launch_gemm_rs's."""
+  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
   cc = dict(compute_capability=compute_capability)
   import functools
   import jax
-  if trace or wg_partitions:  # only the Gluon launchers themselves take these
+  if trace:  # the Gluon launchers themselves: only they record a timeline
     from jax_autooverlap.backends import gluon as backend
   else:
     from jax_autooverlap.backends import triton as backend
-  if wg_partitions and case.op != "rs":
+  if kernel is not None and kernel.wg_partitions and case.op != "rs":
     raise ValueError("fused_program: wg_partitions is built for GEMM+RS only")
   extra = dict(trace=True) if trace else {}
   launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
-  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra,
-                                     **(dict(wg_partitions=True) if wg_partitions else {}))
+  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
   dtype = _np_dtype(case.dtype)
 
   def run(a, b, table, rank):
@@ -200,16 +198,16 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, wg_partitions: bool = False, setup_fence: bool = False):
+                   trace: bool = False, setup_fence: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); wg_partitions, setup_fence: backends/gluon.launch_gemm's)."""
+  (trace: (a @ b, the per-tile timeline); setup_fence: backends/gluon.launch_gemm's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
                        compute_capability=compute_capability, trace=trace,
-                       wg_partitions=wg_partitions, setup_fence=setup_fence)
+                       setup_fence=setup_fence)
   return jax.jit(run)
 
 
@@ -484,9 +482,9 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
                                    ("gluon_gemm_kernel",))
   variants = dict(configs)
   if wg_partitions and "gluon" in configs:
-    variants["gluon_wg"] = configs["gluon"]
+    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
   for engine, cfg in variants.items():
-    program = fused_program(case, cfg, num_sms, wg_partitions=engine == "gluon_wg")
+    program = fused_program(case, cfg, num_sms)
     try:
       checks[engine] = lb.check(program)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking

@@ -279,14 +279,14 @@ def stage_out(acc, c_smem):
 
 
 @gluon.jit
-def setup_fence():
+def setup_fence(CLUSTER: gl.constexpr = False):
   """Before warp_specialize: one proxy fence after the setup's generic shared-memory writes
   (device-side TMA descriptors staged in shared memory, barrier inits), which the operand ring
-  may alias.  Without it triton 3.9's proxy-fence insertion, which cannot see a partition's
+  may alias (CLUSTER: at cluster scope, where a peer CTA's TMA writes into it).  Without it triton 3.9's proxy-fence insertion, which cannot see a partition's
   entry state, puts a `fence.proxy.async` before every TMA load in the producer's loop and
   before every wgmma in the consumers' loop (seen in the PTX; triton 3.6 puts none there).
   An experiment, compiled and checked, not yet run on a GPU."""
-  fence_async_shared()
+  fence_async_shared(cluster=CLUSTER)
 
 
 @gluon.jit

@@ -44,6 +44,10 @@ Invariants:
   the stage's last completed one: a warpgroup skips the other's tile, which may span several
   rounds of the ring, and an mbarrier parity wait two phases ahead passes on a stale phase
   (seen: wrong results and a hang on the GPU without it).
+- The pair barrier's releases stay within one phase of the lead's waits only because the
+  non-lead needs the lead's multicast for every round: a build in which each CTA loaded B
+  itself (pair barrier kept) let the non-lead run two phases ahead and hung (seen on the GPU).
+  The schedule without multicast is num_ctas=1 (no pair barrier at all).
 - Cross-CTA barriers are initialised before warp_specialize (the compiler adds the cluster
   barrier that orders the inits before any use).
 """
@@ -54,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (cluster, fence_asy
                                                               tma, warpgroup_mma, warpgroup_mma_wait)
 
 from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
 
 WG_WARPS = gl.constexpr(4)
@@ -79,12 +84,12 @@ def _smem_layout(shape, dtype, ctas, split):
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              CLUSTERS: gl.constexpr, DIAG: gl.constexpr):
+              CLUSTERS: gl.constexpr):
   CM: gl.constexpr = a_desc.block_type.shape[0]
   BK: gl.constexpr = a_desc.block_type.shape[1]
   BN: gl.constexpr = b_desc.block_type.shape[1]
   STAGES: gl.constexpr = a_bufs.shape[0]
-  PAIR: gl.constexpr = gl.num_ctas() > 1 and DIAG & 2 == 0
+  PAIR: gl.constexpr = gl.num_ctas() > 1
   nbytes: gl.constexpr = a_desc.nbytes_per_cta + b_desc.nbytes_per_cta
   it = 0
   for t in range(gl.program_id(0), TM * TN, CLUSTERS):
@@ -97,21 +102,21 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K: gl.conste
         mbarrier.wait(empty2.index(s), phase)   # the lead CTA only: both CTAs released stage s
       mbarrier.expect(ready.index(s), nbytes)
       tma.async_load(a_desc, [tm * CM, k], ready.index(s), a_bufs.index(s))
-      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=gl.num_ctas() > 1 and DIAG & 1 == 0)
+      tma.async_load(b_desc, [k, tn * BN], ready.index(s), b_bufs.index(s), multicast=gl.num_ctas() > 1)
       it += 1
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, empty2, turn,
               K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
-              CLUSTERS: gl.constexpr, DIAG: gl.constexpr):
+              CLUSTERS: gl.constexpr):
   """Warpgroup WG: tiles j = WG, WG + 2, ... of this cluster's sequence, whole."""
   CM: gl.constexpr = c_desc.block_type.shape[0]
   BN: gl.constexpr = c_desc.block_type.shape[1]
   BK: gl.constexpr = a_bufs.shape[2]
   STAGES: gl.constexpr = a_bufs.shape[0]
   KB: gl.constexpr = (K + BK - 1) // BK
-  PAIR: gl.constexpr = gl.num_ctas() > 1 and DIAG & 2 == 0
+  PAIR: gl.constexpr = gl.num_ctas() > 1
   acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
       version=[3, 0], warps_per_cta=[WG_WARPS, 1], instr_shape=[16, BN, 16],
       cga_layout=_cga(gl.num_ctas(), True))
@@ -145,8 +150,7 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
     tl.debug_barrier()
-    if DIAG & 4 == 0:
-      tma.async_store(c_desc, [tm * CM, tn * BN], c_smem)
+    tma.async_store(c_desc, [tm * CM, tn * BN], c_smem)
     j += 2
   tma.store_wait(0)
 
@@ -157,11 +161,8 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
                          M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, CLUSTERS: gl.constexpr,
-                         DIAG: gl.constexpr = 0, SETUP_FENCE: gl.constexpr = False):
-  """c = a @ b (DIAG: debugging bits, 0 in use: 1 = B not multicast, each CTA loading all of it:
-  hangs (seen on the GPU), because the non-lead CTA then no longer waits for the lead's B and its
-  releases can run two phases ahead of the lead's parity waits on the pair barrier; use
-  num_ctas=1 for the schedule without multicast; 2 = no pair barrier (racy); 4 = no store of C); BLOCK_M rows per CTA and warpgroup tile (the cluster tile is num_ctas
+                         SETUP_FENCE: gl.constexpr = False):
+  """c = a @ b; BLOCK_M rows per CTA and warpgroup tile (the cluster tile is num_ctas
   BLOCK_M).  Launched with num_ctas=2 (clusters) or 1 (the same ping-pong schedule, each CTA
   on its own: the baseline that separates the clusters' effect)."""
   CTAS: gl.constexpr = gl.num_ctas()
@@ -196,15 +197,15 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
   # Orders everything above (descriptors staged in shared memory, barrier inits) before any
   # multicast into the peer: without it the compiler guards each multicast with a rendezvous
   # of the two producers, every k-block (seen in the 64 x 256 build: 2.9 -> 1.8 x cuBLAS).
-  if SETUP_FENCE:   # gluon_engine.setup_fence: no proxy fence in the loops (not yet timed)
-    fence_async_shared(cluster=CTAS > 1)
+  if SETUP_FENCE:   # no proxy fence in the loops (an experiment, not yet timed)
+    eng.setup_fence(CTAS > 1)
   if CTAS > 1:
     cluster.barrier()
   gl.warp_specialize([
       (_consumer, (0, c_desc, c_smem.index(0), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
-                   GROUP_M, CLUSTERS, DIAG)),
+                   GROUP_M, CLUSTERS)),
       (_consumer, (1, c_desc, c_smem.index(1), a_bufs, b_bufs, ready, empty, empty2, turn, K, TM, TN,
-                   GROUP_M, CLUSTERS, DIAG)),
+                   GROUP_M, CLUSTERS)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, empty2, K, TM, TN, GROUP_M,
-                   CLUSTERS, DIAG)),
+                   CLUSTERS)),
   ], [WG_WARPS, PRODUCER_WARPS], [WG_REGS, PRODUCER_REGS])
