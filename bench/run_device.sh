@@ -11,6 +11,7 @@
 #   engine                python -m jax_autooverlap.bench.engine (one GPU; BENCH_ARGS)
 #   ncu-engine            bench/ncu_engine.py: hardware counters, engine vs cuBLAS (BENCH_ARGS)
 #   any/path.py           a Python script run in the same environment (experiments)
+# TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -25,31 +26,32 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import jax, jaxlib, triton, jax_triton; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__); print(jax.devices())"
   env | grep -E "NCCL|NVSHMEM|TORCH_SYMM|XLA" || true
 } 2>&1 | tee "$OUT/machine.log"
+eval "test_args=(${TEST_ARGS:-})" && eval "bench_args=(${BENCH_ARGS:-})" || exit 2
 rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
   case $step in
     tests-ag|tests-rs|tests-loopback|tests-gluon_gemm)
       timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "tests/test_gpu_${step#tests-}.py" \
-        -p no:cacheprovider ${TEST_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+        -p no:cacheprovider "${test_args[@]}" 2>&1 | tee "$OUT/$step.log" ;;
     bench-ag|bench-rs|bench-model)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#bench-}" --out "$OUT" \
-        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+        "${bench_args[@]}" 2>&1 | tee "$OUT/$step.log" ;;
     test:*)
       f=${step#test:}
       timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider \
-        ${TEST_ARGS:-} 2>&1 | tee "$OUT/$(basename "$f" .py).log" ;;
+        "${test_args[@]}" 2>&1 | tee "$OUT/$(basename "$f" .py).log" ;;
     launch-cost)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.launch_cost --out "$OUT" \
         2>&1 | tee "$OUT/launch-cost.log" ;;
     loopback-ag|loopback-rs)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
-        --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/$step.log" ;;
+        --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/$step.log" ;;
     engine)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.engine --out "$OUT" \
-        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/engine.log" ;;
+        "${bench_args[@]}" 2>&1 | tee "$OUT/engine.log" ;;
     ncu-engine)
-      timeout ${BENCH_TIMEOUT:-420} python3 bench/ncu_engine.py --out "$OUT" ${BENCH_ARGS:-} \
+      timeout ${BENCH_TIMEOUT:-420} python3 bench/ncu_engine.py --out "$OUT" "${bench_args[@]}" \
         2>&1 | tee "$OUT/ncu-engine.log" ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;

@@ -379,12 +379,23 @@ def test_autotune_on_sm90_also_times_the_gluon_engine_and_keeps_the_fastest(
   assert impl == "triton" and gpu.kernel == gluon_64 and why.endswith("; gluon engine)")
   (entry,) = json.loads((tmp_path / "tuning-ag.json").read_text()).values()
   assert KernelConfig(**entry["kernel"]) == gluon_64
-  # GEMM+RS: one Gluon candidate; where it is slower the tl config stays
+  # GEMM+RS: two Gluon candidates (with and without warpgroup partitions); where they are slower
+  # the tl config stays
+  rs_sizes = (1, 8192, 4096, 8192)
   calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.9 if k.engine == "gluon" else 0.7)
-  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, (1, 8192, 4096, 8192), BF16,
+  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, rs_sizes, BF16,
                         BF16, mesh, axis_name="x", may_time=True)
-  assert sum(k is not None and k.engine == "gluon" for k in calls) == 1
+  assert [k.wg_partitions for k in calls if k is not None and k.engine == "gluon"] == [False, True]
   assert impl == "triton" and gpu.kernel.engine == "tl" and why.endswith("; tl engine)")
+  # ... and where the partitioned kernel is fastest, it is recorded and explain names it
+  recorded.clear()
+  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.6 if k.wg_partitions else 0.7)
+  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, rs_sizes, BF16,
+                        BF16, mesh, axis_name="x", may_time=True)
+  assert impl == "triton" and gpu.kernel.engine == "gluon" and gpu.kernel.wg_partitions
+  assert why.endswith("; gluon engine, a consumer partition per warpgroup)"), why
+  (entry,) = json.loads((tmp_path / "tuning-rs.json").read_text()).values()
+  assert KernelConfig(**entry["kernel"]) == gpu.kernel
 
 
 def test_gluon_autotune_candidates_only_where_the_engine_runs():
@@ -393,7 +404,9 @@ def test_gluon_autotune_candidates_only_where_the_engine_runs():
   got = select.with_engines("ag", ranked, "9.0", sizes, BF16, BF16)
   assert got[:2] == ranked and [(k.engine, k.num_comm, k.chunks) for k in got[2:]] == [
       ("gluon", 32, 4), ("gluon", 64, 4)]
-  assert len(select.with_engines("rs", ranked, "9.0", sizes, BF16, BF16)) == 3
+  got = select.with_engines("rs", ranked, "9.0", sizes, BF16, BF16)  # with and without
+  assert got[:2] == ranked and [(k.engine, k.wg_partitions, k.num_comm, k.chunks)  # partitions
+                                for k in got[2:]] == [("gluon", False, 16, 4), ("gluon", True, 16, 4)]
   assert select.with_engines("ag", ranked, "8.0", sizes, BF16, BF16) == ranked  # not sm_90
   assert select.with_engines("ag", ranked, None, sizes, BF16, BF16) == ranked  # not a GPU
   assert select.with_engines("ag", ranked, "9.0", sizes, np.float32, np.float32) == ranked

@@ -130,6 +130,8 @@ def test_table_and_records():
                      "0.2050"]
   assert row[7:10] == ["1.050", "1.250", "1.025"]
   json.dumps(records)
+  records[1]["kernel"] = {"engine": "gluon", "wg_partitions": True}  # the partitioned GEMM+RS
+  assert lb.format_table("rs", records).splitlines()[-1].split()[4] == "gluon+wg"
 
 
 def test_parse_args_requires_loopback_flag():
@@ -140,14 +142,9 @@ def test_parse_args_requires_loopback_flag():
   assert (args.num_comm, args.tag, args.diag) == (4, "_c4", 3)
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
-  assert lb.parse_args(["rs", "--loopback", "--wg-partitions"]).wg_partitions
-  assert not args.wg_partitions
 
 
-def test_wg_partitions_are_for_gemm_rs_only(capsys):
-  with pytest.raises(SystemExit):
-    lb.parse_args(["ag", "--loopback", "--wg-partitions"])
-  assert "built for rs" in capsys.readouterr().err
+def test_wg_partitions_are_for_gemm_rs_only():
   with pytest.raises(ValueError, match="GEMM\\+RS only"):
     lb.fused_program(lb.Case("ag", 512, 256, 512),
                      KernelConfig(engine="gluon", wg_partitions=True), 132)

@@ -148,8 +148,8 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    compute_capability: int | None = None, poison: bool = False,
                    trace: bool = False):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm;
-  kernel.wg_partitions: a consumer partition per warpgroup, an experiment; every rank of the
-  group must launch the same, its arrival counters count halves)."""
+  kernel.wg_partitions: a consumer partition per warpgroup; every rank of the group must
+  launch the same, its arrival counters count halves)."""
   wg_partitions = kernel.wg_partitions
   from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel

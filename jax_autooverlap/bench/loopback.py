@@ -20,7 +20,9 @@ jax_autooverlap.bench`); the local work of one GPU is
 Contestants, run interleaved (rounds of back-to-back calls of each in turn):
   gemm_alone  the local GEMM through XLA (cuBLAS)
   ours        the fused kernel with the engine the tuner would pick: the
-              fastest correct engine of this run (field `engine`)
+              fastest correct engine of this run (field `engine`; GEMM+RS on the
+              Gluon engine with and without a consumer partition per warpgroup,
+              as autotuning times it: field `kernel`)
   ours_tl     the fused kernel with the plain `tl` engine
   engine_alone  the Gluon engine's plain GEMM (kernels/gluon_gemm.py) on the same
               local work, same tiles: what the fused kernel costs over its engine
@@ -468,10 +470,10 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
 
 def bench_case(case: Case, device, engines, rounds: int, calls: int,
                num_comm: int | None = None, diag: int = 0,
-               gluon_override: dict | None = None, wg_partitions: bool = False) -> list[dict]:
-  """Records of one case: gemm_alone, ours_tl, engine_alone, ours (the faster engine) and, with
-  wg_partitions (GEMM+RS, an experiment), ours_gluon_wg: the Gluon kernel's config with a
-  consumer partition per warpgroup, checked and timed in the same rounds (never "ours")."""
+               gluon_override: dict | None = None) -> list[dict]:
+  """Records of one case: gemm_alone, ours_tl, engine_alone and ours (the fastest of the fused
+  variants autotuning times: each engine, and for GEMM+RS the Gluon engine with a consumer
+  partition per warpgroup too)."""
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
@@ -481,7 +483,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
     contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
                                    ("gluon_gemm_kernel",))
   variants = dict(configs)
-  if wg_partitions and "gluon" in configs:
+  if case.op == "rs" and "gluon" in configs:
     variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
   for engine, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
@@ -501,19 +503,16 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
                              kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))
   with _ClockSampler() as clocks:
     timed = time_interleaved(contestants, rounds, calls)
-  engines_timed = [e for e in configs if e in timed]
+  variants_timed = [e for e in variants if e in timed]
   records = [("gemm_alone", timed["gemm_alone"], {})]
   if "tl" in timed:
     records.append(("ours_tl", timed["tl"], {"engine": "tl", **checks["tl"]}))
   if "engine_alone" in timed:
     records.append(("engine_alone", timed["engine_alone"], {"engine": "gluon"}))
-  if engines_timed:
-    best = min(engines_timed, key=lambda e: timed[e][0])
-    records.append(("ours", timed[best], {"engine": best, **checks[best],
-                                          "kernel": dataclasses.asdict(configs[best])}))
-  if "gluon_wg" in timed:
-    records.append(("ours_gluon_wg", timed["gluon_wg"], {"engine": "gluon", "wg_partitions": True,
-                                                          **checks["gluon_wg"]}))
+  if variants_timed:
+    best = min(variants_timed, key=lambda e: timed[e][0])
+    records.append(("ours", timed[best], {"engine": variants[best].engine, **checks[best],
+                                          "kernel": dataclasses.asdict(variants[best])}))
   for e in variants:
     if e != "tl" and e in timed:
       _log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
@@ -570,9 +569,11 @@ def format_table(op: str, records: list[dict]) -> str:
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"]))
     clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
     shape = f"{m}x{k}x{n}"
+    ours = impls.get("ours", {})
+    engine = ours.get("engine", "-") + ("+wg" if ours.get("kernel", {}).get("wg_partitions") else "")
     lines.append("  ".join([f"{shape:>16}",
                             f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
-                            f"{impls.get('ours', {}).get('engine', '-'):>16}", f"{t:>16.4f}",
+                            f"{engine:>16}", f"{t:>16.4f}",
                             f"{e:>16.4f}", f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{e / g:>16.3f}",
                             f"{clock:>16.0f}"]))
   return "\n".join(lines)
@@ -582,7 +583,7 @@ def parse_override(text: str) -> dict:
   """'name=int,...' -> {name: int}, names checked against KernelConfig's integer fields."""
   from jax_autooverlap.tuning.config import KernelConfig
   known = {f.name for f in dataclasses.fields(KernelConfig)
-           if f.name not in ("engine", "wg_partitions")}  # --wg-partitions says that one
+           if f.name not in ("engine", "wg_partitions")}  # timed with and without (rs)
   out = {}
   for item in filter(None, text.split(",")):
     name, _, value = item.partition("=")
@@ -611,18 +612,12 @@ def parse_args(argv):
   ap.add_argument("--gluon-override", default="", type=parse_override,
                   help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
                        "num_stages=2,group_m=4 (the engine-alone contestant takes them too)")
-  ap.add_argument("--wg-partitions", action="store_true",
-                  help="experiment (rs, gluon engine): also time the Gluon kernel with a "
-                       "consumer partition per warpgroup (records: *-wg-partitions.json)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
                        "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
   ap.add_argument("--out", default="bench/results")
-  args = ap.parse_args(argv)
-  if args.wg_partitions and args.op != "rs":
-    ap.error("--wg-partitions: built for rs (GEMM+ReduceScatter) only")
-  return args
+  return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -647,7 +642,7 @@ def main(argv=None) -> int:
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag,
-                        args.gluon_override, args.wg_partitions):
+                        args.gluon_override):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
@@ -667,16 +662,7 @@ def main(argv=None) -> int:
   engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
   if engine:
     (out_dir / f"{stem}-engine-alone{args.tag}.json").write_text(json.dumps(engine, indent=1))
-  wg = [r for r in records if r["impl"] == "ours_gluon_wg"]
-  if wg:
-    (out_dir / f"{stem}-wg-partitions{args.tag}.json").write_text(json.dumps(wg, indent=1))
-    for r in wg:
-      g = next(x["median_ms"] for x in records
-               if x["impl"] == "gemm_alone" and (x["m"], x["k"], x["n"]) == (r["m"], r["k"], r["n"]))
-      print(f"wg partitions {r['m']}x{r['k']}x{r['n']}: {r['median_ms']:.4f} ms = "
-            f"{r['median_ms'] / g:.3f} x gemm_alone")
-  path.write_text(json.dumps([r for r in records if r["impl"] not in ("engine_alone",
-                                                                      "ours_gluon_wg")], indent=1))
+  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
   table = format_table(args.op, records)
   path.with_suffix(".txt").write_text(table + "\n")
   print(table)

@@ -87,11 +87,17 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     if support is not None and support.ok:
       spread = f", {support.reason}" if support.processes > 1 else ""
       return "triton", fused.GpuPlan(mesh, verdict.kernel, config.timeout_s), \
-          f"triton kernel ({verdict.reason}; {verdict.kernel.engine} engine){spread}"
+          f"triton kernel ({verdict.reason}; {_engine(op, verdict.kernel)}){spread}"
     why = verdict.reason if support is None else support.reason
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, f"unfused program on gpu ({why})"
+
+
+def _engine(op: str, kernel: KernelConfig) -> str:
+  """The engine as explain names it (with the GEMM+RS warpgroup partitions where they run)."""
+  wg = ", a consumer partition per warpgroup" if kernel.wg_partitions and op == "rs_rows" else ""
+  return f"{kernel.engine} engine{wg}"
 
 
 def _autotuned(op, verdict: select.Verdict, config: OverlapConfig, mesh, axis_name, sizes, dtype,

@@ -111,7 +111,8 @@ def tune(op: str, verdict: select.Verdict,
     except Exception as e:  # noqa: BLE001 - one config failing must not stop the others
       _log(f"{verdict.key}: {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
-    _log(f"{verdict.key}: {cfg.engine} chunks={cfg.chunks} movers={cfg.num_comm} {ms:.3f} ms")
+    wg = " wg_partitions" if cfg.wg_partitions else ""
+    _log(f"{verdict.key}: {cfg.engine}{wg} chunks={cfg.chunks} movers={cfg.num_comm} {ms:.3f} ms")
     timed[i] = (ms, cfg)
   entry = {"date": datetime.date.today().isoformat(), "source": "autotune",
            "unfused_ms": round(unfused, 4)}

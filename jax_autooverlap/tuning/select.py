@@ -40,8 +40,10 @@ MOVERS = (8, 16, 32)
 AUTOTUNE_CANDIDATES = 3
 # Autotuning also times the model's best config on the Gluon engine (sm_90, 16-bit operands),
 # which the model does not rank (its tile costs are the tl kernels'); AG with these mover
-# warps (the Gluon AG push rate grows with the movers: bench/NOTES.md, two H200s).
+# warps (the Gluon AG push rate grows with the movers: bench/NOTES.md, two H200s), GEMM+RS
+# with and without a consumer partition per warpgroup (0.5-1.1 % faster in loopback).
 GLUON_MOVERS = (32, 64)
+GLUON_RS_WG_PARTITIONS = (False, True)
 GLUON_CAPABILITY = "9.0"
 
 
@@ -140,16 +142,18 @@ def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[Kerne
 def with_engines(op: str, candidates: tuple, compute_capability, sizes: tuple[int, int, int],
                  dtype, out_dtype) -> tuple:
   """Autotuning candidates: the model's, then its best config on the Gluon engine where that
-  runs (compute capability 9.0, 16-bit operands; AG once per GLUON_MOVERS): the tuner chooses
-  between engines by measurement.  sizes: (rows per GPU, K, N) as `unsupported` takes them."""
+  runs (compute capability 9.0, 16-bit operands; AG once per GLUON_MOVERS, GEMM+RS once per
+  GLUON_RS_WG_PARTITIONS): the tuner chooses between engines by measurement.  sizes: (rows per
+  GPU, K, N) as `unsupported` takes them."""
   if not candidates or str(compute_capability) != GLUON_CAPABILITY:
     return candidates
   best = candidates[0]
-  movers = GLUON_MOVERS if op == "ag" else (best.num_comm,)
+  variants = ([dict(num_comm=m) for m in GLUON_MOVERS] if op == "ag"
+              else [dict(wg_partitions=wg) for wg in GLUON_RS_WG_PARTITIONS])
   extra = []
-  for m in movers:
+  for variant in variants:
     try:
-      cfg = dataclasses.replace(best, engine="gluon", num_comm=m)
+      cfg = dataclasses.replace(best, engine="gluon", **variant)
     except ValueError:  # the model's tiles do not fit the engine
       continue
     if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in candidates:
