@@ -100,8 +100,8 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
 @pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
 @pytest.mark.parametrize("shape", SHAPES["rs"], ids=lambda s: "x".join(map(str, s)))
 def test_gluon_rs_with_warpgroup_partitions_matches_unfused(shape):
-  """GEMM+RS with a consumer partition per warpgroup (an experiment): output, push and repeat
-  as the plain kernel, ragged tiles included."""
+  """GEMM+RS with a consumer partition per warpgroup (autotuning may pick it): output, push
+  and repeat as the plain kernel, ragged tiles included."""
   from jax_autooverlap.runtime import cuda
   case = lb.Case("rs", *shape)
   loop = lb.Loopback(case, GPUS[0], seed=sum(shape) + 1)

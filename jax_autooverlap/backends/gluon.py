@@ -109,16 +109,24 @@ def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dt
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False,
-                setup_fence: bool = False):
+                setup_fence: bool = False, store_evict_first: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
   kernel.wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence:
-  the experiment of gluon_engine.setup_fence."""
+  the experiment of gluon_engine.setup_fence; store_evict_first: the output's TMA stores with
+  an L2 evict-first policy (gluon_engine.evict_first, triton >= 3.9; an experiment)."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
+  if store_evict_first:
+    import triton
+    from jax_autooverlap.kernels.gluon_engine import CachePolicy
+    if CachePolicy is None or kernel.wg_partitions:
+      raise NotImplementedError(
+          "launch_gemm: store_evict_first needs Gluon's TMA cache policies (triton >= 3.9; this "
+          f"is {triton.__version__}) and the plain engine (wg_partitions=False)")
   if kernel.wg_partitions:
     from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
     if trace:
@@ -139,7 +147,7 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
       GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
-      SETUP_FENCE=setup_fence)
+      SETUP_FENCE=setup_fence, EVICT_FIRST=store_evict_first)
   return (out, timeline) if trace else out
 
 

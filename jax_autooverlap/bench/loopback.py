@@ -200,16 +200,17 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, setup_fence: bool = False):
+                   trace: bool = False, setup_fence: bool = False,
+                   store_evict_first: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); setup_fence: backends/gluon.launch_gemm's)."""
+  (trace: (a @ b, the per-tile timeline); setup_fence, store_evict_first: backends/gluon.launch_gemm's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
                        compute_capability=compute_capability, trace=trace,
-                       setup_fence=setup_fence)
+                       setup_fence=setup_fence, store_evict_first=store_evict_first)
   return jax.jit(run)
 
 
@@ -288,16 +289,22 @@ class Loopback:
 
   def check(self, program) -> dict:
     """Run once with a fresh peer buffer; compare the output and the push with the references,
-    then once more on the shared buffers (the result must not change)."""
+    then once more on the shared buffers (the result must not change).  Each check scales a by
+    its own power of two (2, 4, ...: RS's own partial stays the larger term): XLA may hand a
+    contestant the freed output buffer of the one checked before, which must then not hold the
+    right answer already."""
+    import jax
     from jax_autooverlap.runtime.errors import check_errors
     case = self.case
-    want_out, want_push = references(case, self.a, self.b, self.peer)
+    self._checks = getattr(self, "_checks", 0) + 1
+    a = jax.jit(lambda x: x * (2.0 ** self._checks))(self.a)  # exact in any float format
+    want_out, want_push = references(case, a, self.b, self.peer)
     ws1 = self._zeros_ws()
     parity = self.epoch() % 2
-    got = np.asarray(program(self.a, self.b, self._table(ws1), self.rank))
+    got = np.asarray(program(a, self.b, self._table(ws1), self.rank))
     check_errors()
     pushed = _read(ws1, piece_offset(case, parity, 0), case.piece_shape, _np_dtype(case.dtype))
-    again = np.asarray(program(*self.fused_args()))
+    again = np.asarray(program(a, self.b, self.table, self.rank))
     return {"rel_err": _rel_err(got, want_out), "push_rel_err": _rel_err(pushed, want_push),
             "bit_identical_repeat": bool(np.array_equal(again, got))}
 

@@ -37,6 +37,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+try:  # L2 eviction policies on TMA copies: triton >= 3.9 (3.6 has none)
+  from triton.experimental.gluon.language.nvidia.hopper import CachePolicy, FractionalEvictionPolicy
+except ImportError:
+  CachePolicy = FractionalEvictionPolicy = None
 
 NUM_WARPS = gl.constexpr(8)       # consumers: two warpgroups (the kernel's num_warps)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -287,6 +291,13 @@ def setup_fence(CLUSTER: gl.constexpr = False):
   before every wgmma in the consumers' loop (seen in the PTX; triton 3.6 puts none there).
   An experiment, compiled and checked, not yet run on a GPU."""
   fence_async_shared(cluster=CLUSTER)
+
+
+@gluon.constexpr_function
+def evict_first():
+  """L2 policy for a TMA store of output that is not read again here: its lines go first
+  (triton >= 3.9; an experiment)."""
+  return CachePolicy(l2=FractionalEvictionPolicy("evict_first", 1.0))
 
 
 @gluon.jit
