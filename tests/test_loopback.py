@@ -207,7 +207,7 @@ def test_engine_benchmark_table_and_config_names(capsys):
   import inspect
   from jax_autooverlap.tuning.config import KernelConfig
   for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
-    fields = {k: v for k, v in fields.items() if k not in ("setup_fence", "store_evict_first")}
+    fields = {k: v for k, v in fields.items() if k not in engine.EXPERIMENTS}
     if fields.pop("cluster", False):
       inspect.signature(engine._cluster_program).bind(132, setup_fence=True, **fields)
     else:

@@ -109,11 +109,14 @@ def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dt
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False,
-                setup_fence: bool = False, store_evict_first: bool = False):
+                setup_fence: bool = False, store_evict_first: bool = False,
+                spread_epilogue: int = 0, lsu_stores: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
   kernel.wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence:
   the experiment of gluon_engine.setup_fence; store_evict_first: the output's TMA stores with
-  an L2 evict-first policy (gluon_engine.evict_first, triton >= 3.9; an experiment)."""
+  an L2 evict-first policy (gluon_engine.evict_first, triton >= 3.9; an experiment);
+  spread_epilogue = 1, 2 or 4: kernels/gluon_gemm_spread.py with that many column parts (fewer
+  where K has fewer k-blocks), its stores by TMA or (lsu_stores) by the threads."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -127,6 +130,22 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       raise NotImplementedError(
           "launch_gemm: store_evict_first needs Gluon's TMA cache policies (triton >= 3.9; this "
           f"is {triton.__version__}) and the plain engine (wg_partitions=False)")
+  if spread_epilogue or lsu_stores:
+    if spread_epilogue not in (1, 2, 4) or trace or kernel.wg_partitions or setup_fence \
+        or store_evict_first:
+      raise ValueError(f"launch_gemm: spread_epilogue={spread_epilogue} takes 1, 2 or 4 parts "
+                       "(lsu_stores needs it), and neither a timeline, wg_partitions, setup_fence "
+                       "nor store_evict_first")
+    from jax_autooverlap.kernels.gluon_gemm_spread import gluon_gemm_spread_kernel
+    parts = min(spread_epilogue, 1 << (math.ceil(k / kernel.block_k).bit_length() - 1))
+    out, _ = jt.triton_call(
+        a, b, kernel=gluon_gemm_spread_kernel, name="ao_gemm_gluon_spread",
+        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+        grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
+        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, PARTS=parts,
+        STORE_LSU=lsu_stores)
+    return out
   if kernel.wg_partitions:
     from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
     if trace:

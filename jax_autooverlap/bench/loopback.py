@@ -200,17 +200,17 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, setup_fence: bool = False,
-                   store_evict_first: bool = False):
+                   trace: bool = False, **experiment):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); setup_fence, store_evict_first: backends/gluon.launch_gemm's)."""
+  (trace: (a @ b, the per-tile timeline); experiment: backends/gluon.launch_gemm's setup_fence,
+  store_evict_first, spread_epilogue, lsu_stores)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
                        compute_capability=compute_capability, trace=trace,
-                       setup_fence=setup_fence, store_evict_first=store_evict_first)
+                       **experiment)
   return jax.jit(run)
 
 
