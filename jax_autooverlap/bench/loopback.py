@@ -278,6 +278,7 @@ class Loopback:
     self.ws0 = put(rank0_workspace(case, np.asarray(self.peer), self.err_address))
     self.ws1 = self._zeros_ws()
     self.table = self._table(self.ws1)
+    self.checks = 0   # calls of check (each scales a by its own power of two)
 
   def _table(self, ws1):
     import jax
@@ -296,8 +297,9 @@ class Loopback:
     import jax
     from jax_autooverlap.runtime.errors import check_errors
     case = self.case
-    self._checks = getattr(self, "_checks", 0) + 1
-    a = jax.jit(lambda x: x * (2.0 ** self._checks))(self.a)  # exact in any float format
+    self.checks += 1
+    scale = 2.0 ** self.checks   # exact in any float format
+    a = jax.jit(lambda x: x * scale)(self.a)
     want_out, want_push = references(case, a, self.b, self.peer)
     ws1 = self._zeros_ws()
     parity = self.epoch() % 2
