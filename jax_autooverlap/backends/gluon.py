@@ -123,6 +123,16 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
+
+  def experiment(fn, name, num_warps, **constants):  # an experiment's kernel: c[M, N] only
+    out, _ = jt.triton_call(
+        a, b, kernel=fn, name=name,
+        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+        grid=(num_ctas,), num_warps=num_warps, compute_capability=compute_capability,
+        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, **constants)
+    return out
+
   if store_evict_first:
     import triton
     from jax_autooverlap.kernels.gluon_engine import CachePolicy
@@ -138,25 +148,13 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                        "nor store_evict_first")
     from jax_autooverlap.kernels.gluon_gemm_spread import gluon_gemm_spread_kernel
     parts = min(spread_epilogue, 1 << (math.ceil(k / kernel.block_k).bit_length() - 1))
-    out, _ = jt.triton_call(
-        a, b, kernel=gluon_gemm_spread_kernel, name="ao_gemm_gluon_spread",
-        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
-        grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
-        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, PARTS=parts,
-        STORE_LSU=lsu_stores)
-    return out
+    return experiment(gluon_gemm_spread_kernel, "ao_gemm_gluon_spread", kernel.num_warps,
+                      PARTS=parts, STORE_LSU=lsu_stores)
   if kernel.wg_partitions:
     from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
     if trace:
       raise ValueError("launch_gemm: wg_partitions=True records no timeline (trace=True)")
-    out, _ = jt.triton_call(
-        a, b, kernel=gluon_gemm_wg_kernel, name="ao_gemm_gluon_wg",
-        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
-        grid=(num_ctas,), num_warps=int(WG_WARPS), compute_capability=compute_capability,
-        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
-    return out
+    return experiment(gluon_gemm_wg_kernel, "ao_gemm_gluon_wg", int(WG_WARPS))
   out, timeline, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
       zeroed_outputs=(1,) if trace else (),

@@ -226,14 +226,7 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   STAGES: gl.constexpr = a_bufs.shape[0]
   acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout(BLOCK_N, BLOCK_M // 16, a_bufs.dtype))
   for k in range(0, K, BLOCK_K):
-    s = it % STAGES
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    if BLOCK_M == a_bufs.shape[1]:
-      a = a_bufs.index(s)
-    else:
-      a = a_bufs.index(s).slice(ROW0, BLOCK_M)
-    acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
+    acc = mma_k_block(a_bufs, b_bufs, ready, acc, it, ROW0)
     if source is not None:
       KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
       if load_source and k == source_block(KB) * BLOCK_K:
@@ -247,6 +240,24 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   # K > 0, so the loop ran and stage it-1 is the tile's last one
   mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
   return acc, it
+
+
+@gluon.jit
+def mma_k_block(a_bufs, b_bufs, ready, acc, it, ROW0: gl.constexpr = 0):
+  """Consumers: wait for stage counter it's operands, issue its async wgmma into acc (the
+  stage's A rows from ROW0, as many as acc has), and wait until at most that one group is in
+  flight, i.e. the previous k-block's MMA is done and its stage may go back."""
+  STAGES: gl.constexpr = a_bufs.shape[0]
+  BLOCK_M: gl.constexpr = acc.shape[0]
+  s = it % STAGES
+  mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+  if BLOCK_M == a_bufs.shape[1]:
+    a = a_bufs.index(s)
+  else:
+    a = a_bufs.index(s).slice(ROW0, BLOCK_M)
+  acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+  acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
+  return acc
 
 
 @gluon.jit
@@ -286,10 +297,12 @@ def stage_out(acc, c_smem):
 def setup_fence(CLUSTER: gl.constexpr = False):
   """Before warp_specialize: one proxy fence after the setup's generic shared-memory writes
   (device-side TMA descriptors staged in shared memory, barrier inits), which the operand ring
-  may alias (CLUSTER: at cluster scope, where a peer CTA's TMA writes into it).  Without it triton 3.9's proxy-fence insertion, which cannot see a partition's
-  entry state, puts a `fence.proxy.async` before every TMA load in the producer's loop and
-  before every wgmma in the consumers' loop (seen in the PTX; triton 3.6 puts none there).
-  An experiment, compiled and checked, not yet run on a GPU."""
+  may alias (CLUSTER: at cluster scope, where a peer CTA's TMA writes into it).  Without it
+  triton 3.9's proxy-fence insertion, which cannot see a partition's entry state, puts a
+  `fence.proxy.async` before every TMA load in the producer's loop and before every wgmma in
+  the consumers' loop (seen in the PTX; triton 3.6 puts none there).  An experiment: on one
+  H200 it changed nothing for the cooperative engine and gained 0-2 % for the cluster and
+  ping-pong kernels (bench/NOTES.md)."""
   fence_async_shared(cluster=CLUSTER)
 
 

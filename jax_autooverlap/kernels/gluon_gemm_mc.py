@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (cluster, fence_async_shared, mbarrier,
-                                                              tma, warpgroup_mma, warpgroup_mma_wait)
+                                                              tma, warpgroup_mma_wait)
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -128,10 +128,7 @@ def _consumer(WG: gl.constexpr, c_desc, c_smem, a_bufs, b_bufs, ready, empty, em
     it = j * KB
     acc = gl.zeros([CM, BN], gl.float32, acc_layout)
     for k in range(0, K, BK):
-      s = it % STAGES
-      mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-      acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-      acc, _a, _b = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+      acc = eng.mma_k_block(a_bufs, b_bufs, ready, acc, it)
       tl.debug_barrier()   # every warp of the warpgroup is past k-block it - 1
       prev = (it + STAGES - 1) % STAGES
       mbarrier.arrive(empty.index(prev), pred=k > 0)
@@ -197,7 +194,7 @@ def gluon_gemm_mc_kernel(a_ptr, b_ptr, c_ptr, scratch_ptr,
   # Orders everything above (descriptors staged in shared memory, barrier inits) before any
   # multicast into the peer: without it the compiler guards each multicast with a rendezvous
   # of the two producers, every k-block (seen in the 64 x 256 build: 2.9 -> 1.8 x cuBLAS).
-  if SETUP_FENCE:   # no proxy fence in the loops (an experiment, not yet timed)
+  if SETUP_FENCE:   # no proxy fence in the loops (an experiment: 0-2 % here, bench/NOTES.md)
     eng.setup_fence(CTAS > 1)
   if CTAS > 1:
     cluster.barrier()

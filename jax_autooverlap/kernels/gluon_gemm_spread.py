@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -86,17 +86,6 @@ def _write_part(x, c_desc, c_ptr, row, col, c_parts, P: gl.constexpr, PARTS: gl.
 
 
 @gluon.jit
-def _mma_k_block(a_bufs, b_bufs, ready, acc, it):
-  """Issue k-block `it`'s wgmma and wait for the one before it (one group stays in flight)."""
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  s = it % STAGES
-  mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-  acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-  acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
-  return acc
-
-
-@gluon.jit
 def _consumer(c_desc, c_ptr, c_parts, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               M: gl.constexpr, K: gl.constexpr, N: gl.constexpr, BLOCK_K: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, PARTS: gl.constexpr,
@@ -115,7 +104,7 @@ def _consumer(c_desc, c_ptr, c_parts, a_bufs, b_bufs, ready, empty, tiles, tile_
   while t < TM * TN:
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
     for p in gl.static_range(PARTS):   # the first PARTS k-blocks, each beside a part of tile j - 1
-      acc = _mma_k_block(a_bufs, b_bufs, ready, acc, it)
+      acc = eng.mma_k_block(a_bufs, b_bufs, ready, acc, it)
       if j > 0:
         _write_part(prev, c_desc, c_ptr, row, col, c_parts, p, PARTS, M, N, STORE_LSU)
       tl.debug_barrier()   # every warpgroup is past k-block it - 1 before its stage goes back
@@ -123,7 +112,7 @@ def _consumer(c_desc, c_ptr, c_parts, a_bufs, b_bufs, ready, empty, tiles, tile_
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
       it += 1
     for k in range(PARTS * BLOCK_K, K, BLOCK_K):
-      acc = _mma_k_block(a_bufs, b_bufs, ready, acc, it)
+      acc = eng.mma_k_block(a_bufs, b_bufs, ready, acc, it)
       tl.debug_barrier()
       mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
       it += 1
