@@ -60,33 +60,6 @@ def test_engine_gemm_with_one_setup_fence_matches_xla(shape):
   _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), setup_fence=True)
 
 
-@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (1000, 1024, 1000), (128, 64, 256),
-                                   (8192, 2048, 4096)], ids=lambda s: "x".join(map(str, s)))
-def test_engine_gemm_with_evict_first_stores_matches_xla(shape):
-  """The output's TMA stores with an L2 evict-first policy (a hint; triton >= 3.9, an
-  experiment): the same results."""
-  from jax_autooverlap.kernels.gluon_engine import CachePolicy
-  from jax_autooverlap.tuning.config import KernelConfig
-  if CachePolicy is None:
-    pytest.skip("Gluon TMA cache policies need triton >= 3.9")
-  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), store_evict_first=True)
-
-
-@pytest.mark.parametrize("lsu", [False, True], ids=["tma", "lsu"])
-@pytest.mark.parametrize("parts", [1, 4])
-@pytest.mark.parametrize("shape", [(4096, 8192, 4096), (3000, 512, 5000), (1000, 1024, 1000),
-                                   (128, 64, 256), (640, 192, 384)],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_engine_gemm_with_spread_epilogue_matches_xla(shape, parts, lsu):
-  """kernels/gluon_gemm_spread.py (an experiment): each tile written out in column parts while
-  the next tile's first k-blocks run, by TMA or by the threads' own stores; several tiles per
-  CTA (ragged ones too: the threads' stores are masked), one tile per CTA, fewer k-blocks than
-  parts (one k-block: one part; three: two), repeat bit-identical."""
-  from jax_autooverlap.tuning.config import KernelConfig
-  _check_engine_gemm(shape, jnp.bfloat16, KernelConfig(engine="gluon"), spread_epilogue=parts,
-                     lsu_stores=lsu)
-
-
 def _check_cluster_gemm(shape, tile, **launch):
   """kernels/gluon_gemm_mc.py (triton >= 3.7) under launch against XLA's GEMM, fresh random
   inputs, and the same bits on a second call."""

@@ -243,55 +243,6 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
 
 
-@pytest.mark.parametrize("lsu", [False, True], ids=["tma", "lsu"])
-@pytest.mark.parametrize("parts", [1, 2, 4])
-def test_engine_with_spread_epilogue_compiles(monkeypatch, tmp_path, parts, lsu):
-  """kernels/gluon_gemm_spread.py (an experiment): a TMA store per part in the loop and after it,
-  each waiting for at most `part` pending stores; or (lsu) no TMA store, 16-byte loads from
-  shared memory and 16-byte global stores; no spills, no serialized wgmma."""
-  from jax_autooverlap.backends import gluon
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-                                     num_sms=132, compute_capability=90, spread_epilogue=parts,
-                                     lsu_stores=lsu)
-  specs = [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)]
-  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f, specs)
-  stores = ptx.count("cp.async.bulk.tensor.2d.global.shared::cta")
-  if lsu:
-    assert stores == 0 and re.search(r"st\.global\.v4", ptx) and re.search(r"ld\.shared\.v4", ptx)
-  else:
-    assert stores == 2 * parts
-    waits = set(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+)", ptx))
-    assert waits == {str(p) for p in range(parts)}, waits
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-  with pytest.raises(ValueError, match="spread_epilogue=3"):
-    gluon.launch_gemm(jnp.zeros((256, 64), bf16), jnp.zeros((64, 256), bf16),
-                      kernel=KernelConfig(engine="gluon"), out_dtype=bf16, num_sms=132,
-                      spread_epilogue=3)
-
-
-def test_engine_with_evict_first_stores_compiles(monkeypatch, tmp_path):
-  """store_evict_first (an experiment): the output's TMA store carries an L2 evict-first cache
-  hint under triton >= 3.9; older Gluon has no TMA cache policies, and the launcher says so."""
-  from jax_autooverlap.backends import gluon
-  from jax_autooverlap.kernels.gluon_engine import CachePolicy
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-                                     num_sms=132, compute_capability=90, store_evict_first=True)
-  specs = [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)]
-  if CachePolicy is None:
-    with pytest.raises(NotImplementedError, match="triton >= 3.9"):
-      jax.eval_shape(f, *specs)
-    return
-  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f, specs)
-  assert "createpolicy.fractional.L2::evict_first" in ptx
-  assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group\.L2::cache_hint", ptx)
-  report = _ptxas_report(ptx, tmp_path)
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-
-
 def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2, an experiment) builds for
   sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full

@@ -109,14 +109,10 @@ def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dt
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False,
-                setup_fence: bool = False, store_evict_first: bool = False,
-                spread_epilogue: int = 0, lsu_stores: bool = False):
+                setup_fence: bool = False):
   """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
   kernel.wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence:
-  the experiment of gluon_engine.setup_fence; store_evict_first: the output's TMA stores with
-  an L2 evict-first policy (gluon_engine.evict_first, triton >= 3.9; an experiment);
-  spread_epilogue = 1, 2 or 4: kernels/gluon_gemm_spread.py with that many column parts (fewer
-  where K has fewer k-blocks), its stores by TMA or (lsu_stores) by the threads."""
+  the experiment of gluon_engine.setup_fence."""
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -124,37 +120,17 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
 
-  def experiment(fn, name, num_warps, **constants):  # an experiment's kernel: c[M, N] only
-    out, _ = jt.triton_call(
-        a, b, kernel=fn, name=name,
-        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
-        grid=(num_ctas,), num_warps=num_warps, compute_capability=compute_capability,
-        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, **constants)
-    return out
-
-  if store_evict_first:
-    import triton
-    from jax_autooverlap.kernels.gluon_engine import CachePolicy
-    if CachePolicy is None or kernel.wg_partitions:
-      raise NotImplementedError(
-          "launch_gemm: store_evict_first needs Gluon's TMA cache policies (triton >= 3.9; this "
-          f"is {triton.__version__}) and the plain engine (wg_partitions=False)")
-  if spread_epilogue or lsu_stores:
-    if spread_epilogue not in (1, 2, 4) or trace or kernel.wg_partitions or setup_fence \
-        or store_evict_first:
-      raise ValueError(f"launch_gemm: spread_epilogue={spread_epilogue} takes 1, 2 or 4 parts "
-                       "(lsu_stores needs it), and neither a timeline, wg_partitions, setup_fence "
-                       "nor store_evict_first")
-    from jax_autooverlap.kernels.gluon_gemm_spread import gluon_gemm_spread_kernel
-    parts = min(spread_epilogue, 1 << (math.ceil(k / kernel.block_k).bit_length() - 1))
-    return experiment(gluon_gemm_spread_kernel, "ao_gemm_gluon_spread", kernel.num_warps,
-                      PARTS=parts, STORE_LSU=lsu_stores)
   if kernel.wg_partitions:
     from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
     if trace:
       raise ValueError("launch_gemm: wg_partitions=True records no timeline (trace=True)")
-    return experiment(gluon_gemm_wg_kernel, "ao_gemm_gluon_wg", int(WG_WARPS))
+    out, _ = jt.triton_call(
+        a, b, kernel=gluon_gemm_wg_kernel, name="ao_gemm_gluon_wg",
+        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
+        grid=(num_ctas,), num_warps=int(WG_WARPS), compute_capability=compute_capability,
+        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
+    return out
   out, timeline, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
       zeroed_outputs=(1,) if trace else (),
@@ -164,7 +140,7 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
       GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
-      SETUP_FENCE=setup_fence, EVICT_FIRST=store_evict_first)
+      SETUP_FENCE=setup_fence)
   return (out, timeline) if trace else out
 
 

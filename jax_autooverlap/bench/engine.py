@@ -46,18 +46,9 @@ CONFIGS = {
                                 setup_fence=True),
     "pp-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1,
                                 setup_fence=True),
-    # the output's TMA stores with an L2 evict-first policy (triton >= 3.9, an experiment)
-    "coop-128x256-s3-evict-first": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                        store_evict_first=True),
-    # the epilogue spread over the next tile's first k-blocks in 4 column parts, stored by TMA
-    # or by the consumer threads (kernels/gluon_gemm_spread.py, an experiment)
-    "coop-128x256-s3-spread4": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                    spread_epilogue=4),
-    "coop-128x256-s3-spread4-lsu": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                        spread_epilogue=4, lsu_stores=True),
 }
 # launch_gemm's arguments of the experiments (the rest of a config is KernelConfig's)
-EXPERIMENTS = ("setup_fence", "store_evict_first", "spread_epilogue", "lsu_stores")
+EXPERIMENTS = ("setup_fence",)
 MAX_REL_ERR = 2e-2
 
 
@@ -92,9 +83,7 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
         experiment = {f: fields.pop(f) for f in EXPERIMENTS if f in fields}
         cfg = KernelConfig(engine="gluon", **fields)
         program = lb.engine_program(cfg, num_sms, **experiment)
-        kernel_name = ("gluon_gemm_wg_kernel" if cfg.wg_partitions else
-                       "gluon_gemm_spread_kernel" if "spread_epilogue" in experiment else
-                       "gluon_gemm_kernel")
+        kernel_name = "gluon_gemm_wg_kernel" if cfg.wg_partitions else "gluon_gemm_kernel"
       # checked on operands of its own: XLA may hand a contestant the freed output buffer of
       # the one before, which holds the right product of shared operands even if nothing
       # is written (seen with a diagnostic kernel that skipped its stores)

@@ -202,8 +202,8 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
                    trace: bool = False, **experiment):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); experiment: backends/gluon.launch_gemm's setup_fence,
-  store_evict_first, spread_epilogue, lsu_stores)."""
+  (trace: (a @ b, the per-tile timeline); experiment: backends/gluon.launch_gemm's
+  setup_fence)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 

@@ -37,10 +37,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-try:  # L2 eviction policies on TMA copies: triton >= 3.9 (3.6 has none)
-  from triton.experimental.gluon.language.nvidia.hopper import CachePolicy, FractionalEvictionPolicy
-except ImportError:
-  CachePolicy = FractionalEvictionPolicy = None
 
 NUM_WARPS = gl.constexpr(8)       # consumers: two warpgroups (the kernel's num_warps)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -304,13 +300,6 @@ def setup_fence(CLUSTER: gl.constexpr = False):
   H200 it changed nothing for the cooperative engine and gained 0-2 % for the cluster and
   ping-pong kernels (bench/NOTES.md)."""
   fence_async_shared(cluster=CLUSTER)
-
-
-@gluon.constexpr_function
-def evict_first():
-  """L2 policy for a TMA store of output that is not read again here: its lines go first
-  (triton >= 3.9; an experiment)."""
-  return CachePolicy(l2=FractionalEvictionPolicy("evict_first", 1.0))
 
 
 @gluon.jit

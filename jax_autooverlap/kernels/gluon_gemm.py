@@ -33,8 +33,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
 @gluon.jit
 def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
               trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr,
-              EVICT_FIRST: gl.constexpr):
+              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
   BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
   trace.start(trace_ptr, TRACE)
@@ -47,10 +46,7 @@ def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
     trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
     _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
     eng.stage_out(acc.to(c_desc.dtype), c_smem)
-    if EVICT_FIRST:  # an experiment (triton >= 3.9): the output's L2 lines go first
-      eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem, cache_policy=eng.evict_first())
-    else:
-      eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = eng.next_tile(tiles, tile_ready, tile_free, j)
@@ -65,7 +61,7 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       NUM_CTAS: gl.constexpr, TRACE: gl.constexpr,
-                      SETUP_FENCE: gl.constexpr = False, EVICT_FIRST: gl.constexpr = False):
+                      SETUP_FENCE: gl.constexpr = False):
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
@@ -77,7 +73,7 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
     eng.setup_fence()
   gl.warp_specialize([
       (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE, EVICT_FIRST)),
+                   trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
