@@ -83,15 +83,19 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     err_addr = ws + ERROR_SLOT_OFFSET
     dtype: gl.constexpr = local_desc3.dtype
     my_bufs = (ws + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
-    # Gather buffers of this call's parity as [src, row, col]: this GPU's, and peer p's (this
-    # rank's shard goes to index rank there).
-    bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+    # Gather buffers of this call's parity as [src, row, col] of the peer of step i (rank + 1
+    # + i, i < WORLD - 1; this rank's shard goes to index rank there), and that peer's arrival
+    # counters from this rank: the address table is read once per CTA, and a descriptor
+    # (~0.7 us of the mover's start, bench/NOTES.md) is made per peer, not per rank.
     peer_descs = ()
-    for p in gl.static_range(WORLD):
-      peer_bufs = (table_address(table_ptr, p) + BUF_OFF).to(gl.pointer_type(dtype)) \
-          + parity.to(gl.int64) * WORLD * SHARD
+    peer_flags = ()
+    for i in gl.static_range(WORLD - 1):
+      ws_p = table_address(table_ptr, (rank + 1 + i) % WORLD)
+      peer_bufs = (ws_p + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
       peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
                                                [1, BOX, BOX]),)
+      peer_flags = peer_flags + ((ws_p + FLAGS_OFF).to(gl.pointer_type(gl.int32))
+                                 + (parity * WORLD + rank) * MAX_CHUNKS,)
     # Push: unit u = (chunk, peer step, row tile, column slice of KS) in chunk-major order
     # (as kernels/ag_gemm.py, whose units are whole row tiles): a mover keeps only two boxes
     # in flight, so the push rate grows with the movers at work, and slices give every
@@ -102,15 +106,15 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
       v = u // KSPLIT
       tm = (v // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + v % TILES_PER_CHUNK
       if tm < TM:
-        peer = (rank + 1 + (v // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
-        for p in gl.static_range(WORLD):
-          if p == peer:
-            n = copy_boxes(local_desc3, 0, peer_descs[p], rank, tm * BLOCK_M, BLOCK_M, ks * KS,
+        step = (v // TILES_PER_CHUNK) % (WORLD - 1)  # to the peer rank + 1 + step
+        for i in gl.static_range(WORLD - 1):
+          if i == step:
+            n = copy_boxes(local_desc3, 0, peer_descs[i], rank, tm * BLOCK_M, BLOCK_M, ks * KS,
                            gl.minimum(K, (ks + 1) * KS), mv_bufs, mv_bars, n)
-        peer_flag = (table_address(table_ptr, peer) + FLAGS_OFF).to(gl.pointer_type(gl.int32)) \
-            + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
-        signal_after_tma_stores(peer_flag)
+            signal_after_tma_stores(peer_flags[i] + tm // TILES_PER_CHUNK)
     if RETURN_GATHERED:
+      # this GPU's gather buffers of this call's parity as [src, row, col]
+      bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
       for u in range(pid, WORLD * TM, NUM_COMM):
         src = (rank + WORLD - u // TM) % WORLD
         tm = u % TM
