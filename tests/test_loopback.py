@@ -207,10 +207,11 @@ def test_engine_benchmark_table_and_config_names(capsys):
   import inspect
   from jax_autooverlap.tuning.config import KernelConfig
   for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
-    fields = {k: v for k, v in fields.items() if k not in engine.EXPERIMENTS}
+    fields = dict(fields)
     if fields.pop("cluster", False):
-      inspect.signature(engine._cluster_program).bind(132, setup_fence=True, **fields)
+      inspect.signature(engine._cluster_program).bind(132, **fields)
     else:
+      fields.pop("setup_fence", None)  # launch_gemm's argument
       KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])

@@ -47,8 +47,6 @@ CONFIGS = {
     "pp-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1,
                                 setup_fence=True),
 }
-# launch_gemm's arguments of the experiments (the rest of a config is KernelConfig's)
-EXPERIMENTS = ("setup_fence",)
 MAX_REL_ERR = 2e-2
 
 
@@ -80,9 +78,9 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
       if fields.pop("cluster", False):
         program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
       else:
-        experiment = {f: fields.pop(f) for f in EXPERIMENTS if f in fields}
+        setup_fence = fields.pop("setup_fence", False)  # launch_gemm's, not KernelConfig's
         cfg = KernelConfig(engine="gluon", **fields)
-        program = lb.engine_program(cfg, num_sms, **experiment)
+        program = lb.engine_program(cfg, num_sms, setup_fence=setup_fence)
         kernel_name = "gluon_gemm_wg_kernel" if cfg.wg_partitions else "gluon_gemm_kernel"
       # checked on operands of its own: XLA may hand a contestant the freed output buffer of
       # the one before, which holds the right product of shared operands even if nothing

@@ -200,17 +200,16 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, **experiment):
+                   trace: bool = False, setup_fence: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); experiment: backends/gluon.launch_gemm's
-  setup_fence)."""
+  (trace: (a @ b, the per-tile timeline); setup_fence: backends/gluon.launch_gemm's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
                        compute_capability=compute_capability, trace=trace,
-                       **experiment)
+                       setup_fence=setup_fence)
   return jax.jit(run)
 
 
