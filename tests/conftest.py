@@ -80,3 +80,21 @@ def stand_in_cuda_driver(monkeypatch):
   from fake_cuda import FakeDriver
   from jax_autooverlap.runtime import workspace
   monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=FakeDriver()))
+
+
+def stand_in_kernels(monkeypatch) -> list:
+  """Where a GPU kernel is planned, trace the unfused program instead (no GPU, no workspace).
+  Returns the list of ("ag" | "rs", KernelConfig) of the kernel calls traced."""
+  import dataclasses
+  from jax_autooverlap.ops import registry
+  calls = []
+  for name, tag in (("ag_rows", "ag"), ("rs_rows", "rs")):
+    impls = registry.core(name).impls
+    unfused = impls["unfused"].run
+
+    def run(a, b, cp, need_gathered, tag=tag, unfused=unfused):
+      calls.append((tag, cp.gpu.kernel))
+      return unfused(a, b, cp, need_gathered)
+
+    monkeypatch.setitem(impls, "triton", dataclasses.replace(impls["triton"], run=run))
+  return calls

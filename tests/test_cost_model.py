@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
 from conftest import cpu_mesh
-from jax_autooverlap.tuning import autotune, fit, select
+from jax_autooverlap.tuning import autotune, fit, select, store
 from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning.config import KernelConfig
 
@@ -122,7 +122,7 @@ def test_fused_predictions_follow_the_mechanisms():
 
 def test_order_explicit_then_measured_then_model_then_unfused(monkeypatch):
   key = select.cache_key("ag", H200, 2, 8192, 8192, 8192, BF16)
-  monkeypatch.setattr(select, "_cache", lambda: {key: {
+  monkeypatch.setattr(store, "verdicts", lambda: {key: {
       "impl": "unfused", "note": "fused kernel not faster", "ours_ms": 1.1, "unfused_ms": 1.0}})
   args = (H200, 2, 4096, 8192, 4096, BF16, BF16)
   v = select.choose_ag(ao.OverlapConfig(kernel=KernelConfig(chunks=2)), *args)
@@ -185,21 +185,8 @@ def _llama70b_layer(mesh, tokens):
 
 def _stand_in_kernels(monkeypatch):
   """Where a kernel is planned, trace the unfused math instead (no GPU, no workspace)."""
-  from jax_autooverlap.ops import fused
-  from jax_autooverlap.ops import reference as ref
-  calls = []
-
-  def ag(a, b, cp, need_gathered):
-    calls.append(("ag", cp.gpu.kernel))
-    return ref.ag_rows_unfused(a, b, cp.ring)
-
-  def rs(a, b, cp, need_gathered):
-    calls.append(("rs", cp.gpu.kernel))
-    return ref.rs_rows_unfused(a, b, cp.ring)
-
-  monkeypatch.setattr(fused, "_ag_rows_triton", ag)
-  monkeypatch.setattr(fused, "_rs_rows_triton", rs)
-  return calls
+  from conftest import stand_in_kernels
+  return stand_in_kernels(monkeypatch)
 
 
 def test_explain_llama70b_tp2_layer_shows_the_models_kernels(fake_gpu_kind, monkeypatch):
@@ -243,7 +230,7 @@ def test_autotune_times_the_candidates_and_records_the_fastest(fake_gpu_kind, mo
   from jax_autooverlap.ops.planning import plan
   monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
   recorded = {}  # no verdicts yet; autotuning adds to it
-  monkeypatch.setattr(select, "_cache", lambda: recorded)
+  monkeypatch.setattr(store, "verdicts", lambda: recorded)
   mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
   model_pick = select.choose_ag(ao.OverlapConfig(), "cpu", 2, 2048, 8192, 5120, BF16, BF16)
   second = model_pick.candidates[1]
@@ -272,7 +259,7 @@ def test_autotune_in_several_processes_takes_rank0s_verdict(fake_gpu_kind, monke
   from jax_autooverlap.ops.planning import plan
   monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
   recorded = {}
-  monkeypatch.setattr(select, "_cache", lambda: recorded)
+  monkeypatch.setattr(store, "verdicts", lambda: recorded)
   monkeypatch.setattr(autotune, "_process_count", lambda: 2)
   calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.5)
   mesh, cfg = cpu_mesh((2,), ("x",)), ao.OverlapConfig(autotune=True)
@@ -298,7 +285,7 @@ def test_autotune_times_real_programs_from_inside_a_jit_trace(fake_gpu_kind, mon
   worker thread (the unfused program, and the 'kernel', here the unfused math), records."""
   monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
   recorded = {}
-  monkeypatch.setattr(select, "_cache", lambda: recorded)
+  monkeypatch.setattr(store, "verdicts", lambda: recorded)
   monkeypatch.setattr(select, "AUTOTUNE_CANDIDATES", 2)
   monkeypatch.setattr(autotune, "ITERS", 2)
   monkeypatch.setattr(autotune, "BATCHES", 1)
@@ -363,7 +350,7 @@ def test_autotune_on_sm90_also_times_the_gluon_engine_and_keeps_the_fastest(
   from jax_autooverlap.ops.planning import plan
   monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
   recorded = {}
-  monkeypatch.setattr(select, "_cache", lambda: recorded)
+  monkeypatch.setattr(store, "verdicts", lambda: recorded)
   monkeypatch.setattr(planning, "_compute_capability", lambda mesh: "9.0")
   mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
   model_pick = select.choose_ag(ao.OverlapConfig(), "cpu", 2, 2048, 8192, 5120, BF16, BF16)

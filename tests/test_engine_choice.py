@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_autooverlap as ao
-from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning import select, store
 from jax_autooverlap.tuning.config import KernelConfig
 from fake_cuda import fake_gpu_mesh
 
@@ -60,7 +60,7 @@ def test_tuner_returns_the_measured_engine_and_explain_names_it(monkeypatch):
                                                       "kernel": {**fast, "engine": "gluon"}},
            f"rs|{H200}|w2|4096x8192x8192|bfloat16": {"impl": "triton", "kernel": fast}}
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  monkeypatch.setattr(select, "_cache", lambda: cache)
+  monkeypatch.setattr(store, "verdicts", lambda: cache)
   mesh = fake_gpu_mesh()
   impl, gpu, why = plan("ag_rows", ao.OverlapConfig(), 2, (1, 2048, 8192, 4096), bf16, bf16,
                         mesh)

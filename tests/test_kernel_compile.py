@@ -25,14 +25,14 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
-from jax_autooverlap.tuning import select  # noqa: E402
+from jax_autooverlap.tuning import select, store  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
 
 
 def _tuner_configs(op):
   """(dtype, KernelConfig) pairs the tuner can return for op: defaults and every cached entry."""
   out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16, np.float32)}
-  for key, entry in select._cache().items():
+  for key, entry in store.verdicts().items():
     if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
   for dtype, cfg in list(out):  # every 16-bit config with each engine

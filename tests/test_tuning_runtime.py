@@ -7,7 +7,7 @@ import pytest
 
 import jax_autooverlap as ao
 from jax_autooverlap.runtime import workspace
-from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning import select, store
 from jax_autooverlap.tuning.config import KernelConfig
 from fake_cuda import fake_gpu_mesh
 
@@ -15,7 +15,7 @@ H200 = "NVIDIA H200"
 
 
 def test_measured_cache_drives_the_choice():
-  cache = select._cache()
+  cache = store.verdicts()
   assert cache, "no measured tuning data shipped"
   for key, entry in cache.items():
     op, kind, world, shape, dtype = key.split("|")
@@ -26,23 +26,23 @@ def test_measured_cache_drives_the_choice():
     else:  # per device: a[M, K/w], b[K/w, N]
       v = select.choose_rs(ao.OverlapConfig(), kind, w, m, k // w, n, dtype, dtype)
     if entry["impl"] == "triton":
-      assert v.kernel == KernelConfig(**entry["kernel"]) and "measured" in v.reason
+      assert v.kernel == KernelConfig(**entry["kernel"]) and v.source == "measured"
       assert entry["ours_ms"] < entry["unfused_ms"]
     else:
-      assert v.kernel is None and "measured" in v.reason
+      assert v.kernel is None and v.source == "measured" and v.reason.code == "tuner_unfused"
 
 
 def test_small_shapes_fall_back_and_unsupported_shapes_say_why():
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
-  assert v.kernel is None and "model: unfused" in v.reason
+  assert v.kernel is None and v.source == "model" and v.reason.code == "tuner_unfused"
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 1000, 4096, jnp.bfloat16, jnp.bfloat16)
-  assert v.kernel is None and "K=1000" in v.reason
+  assert v.kernel is None and v.reason.code == "unsupported_shape" and "K=1000" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 4096, jnp.int8, jnp.int32)
-  assert v.kernel is None and "int8" in v.reason
+  assert v.kernel is None and v.reason.code == "unsupported_shape" and "int8" in v.reason
   big = KernelConfig(block_m=256, block_n=256, block_k=128, num_stages=4)
   v = select.choose_ag(ao.OverlapConfig(kernel=big), H200, 2, 4096, 8192, 4096, jnp.bfloat16,
                        jnp.bfloat16)
-  assert v.kernel is None and "shared memory" in v.reason
+  assert v.kernel is None and v.reason.code == "unsupported_shape"
 
 
 def test_kernel_config_validation():
@@ -97,33 +97,33 @@ _SYNTHETIC = {  # verdicts as the benchmark writes them
 def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatch):
   from jax_autooverlap.ops.planning import plan
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
+  monkeypatch.setattr(store, "verdicts", lambda: _SYNTHETIC)
   mesh, cfg, bf16 = fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
   assert impl == "triton" and gpu.kernel == KernelConfig(**_FAST) and "measured" in why
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 256, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "unfused" and "measured: unfused faster" in why              # 512x8192x8192
+  assert impl == "unfused" and why.code == "tuner_unfused" and "measured" in why  # 512x8192x8192
   impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh)
-  assert impl == "unfused" and "measured" in why                               # 8192x4096x4096
+  assert impl == "unfused" and why.code == "tuner_unfused"                     # 8192x4096x4096
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh)
   assert impl == "triton" and "model: fused" in why                            # between measured
   impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "unfused" and "contracting" in why
+  assert impl == "unfused" and why.code == "no_kernel"
   impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "unfused" and "batched" in why
+  assert impl == "unfused" and why.code == "batched"
 
 
 def test_no_heuristic_pick_where_the_kernel_was_never_measured(monkeypatch):
-  monkeypatch.setattr(select, "_cache", lambda: _SYNTHETIC)
+  monkeypatch.setattr(store, "verdicts", lambda: _SYNTHETIC)
   big = (8192, 8192, 4096, jnp.bfloat16, jnp.bfloat16)
   v = select.choose_ag(ao.OverlapConfig(), H200, 4, *big)
-  assert v.kernel is None and "never measured on 4x NVIDIA H200" in v.reason
+  assert v.kernel is None and v.reason.code == "never_measured"
   assert "jax_autooverlap.bench ag" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), "NVIDIA H100 80GB HBM3", 2, *big)
-  assert v.kernel is None and "never measured" in v.reason
+  assert v.kernel is None and v.reason.code == "never_measured"
   assert select.choose_ag(ao.OverlapConfig(), H200, 2, *big).kernel is not None
   v = select.choose_ag(ao.OverlapConfig(impl="triton"), H200, 4, *big)  # asked for: honoured
-  assert v.kernel is not None and "impl='triton'" in v.reason
+  assert v.kernel is not None and v.source == "explicit"
 
 
 def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
@@ -137,19 +137,19 @@ def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
   run.parent.mkdir()
   _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 1.5, 4)], "bfloat16", "ag")
   _merge_into_user_cache(run, "ag")
-  select._cache.cache_clear()
+  store.verdicts.cache_clear()
   try:
-    assert f"ag|{H200}|w4|8192x8192x8192|bfloat16" in select._cache()
+    assert f"ag|{H200}|w4|8192x8192x8192|bfloat16" in store.verdicts()
     v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
     assert v.kernel == KernelConfig(**_FAST) and "measured" in v.reason
     # a later run where the kernel lost replaces the verdict
     _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 2.5, 4)], "bfloat16", "ag")
     _merge_into_user_cache(run, "ag")
-    select._cache.cache_clear()
+    store.verdicts.cache_clear()
     v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
     assert v.kernel is None and "measured: unfused faster" in v.reason
   finally:
-    select._cache.cache_clear()
+    store.verdicts.cache_clear()
 
 
 def test_kernels_planned_whatever_the_command_buffer_flags(monkeypatch):
@@ -164,23 +164,10 @@ def test_kernels_planned_whatever_the_command_buffer_flags(monkeypatch):
 
 def _kernel_calls_planned(monkeypatch):
   """Pretend the CPU mesh is a GPU mesh and record every GPU kernel the ops plan (unfused math)."""
-  from jax_autooverlap.ops import fused
-  from jax_autooverlap.ops import reference as ref
+  from conftest import stand_in_kernels
   from jax_autooverlap.runtime import context
-  calls = []
   monkeypatch.setattr(context, "platform", lambda mesh: None if mesh is None else "gpu")
-
-  def ag(a, b, cp, need_gathered):
-    calls.append("ag")
-    return ref.ag_rows_unfused(a, b, cp.ring)
-
-  def rs(a, b, cp, need_gathered):
-    calls.append("rs")
-    return ref.rs_rows_unfused(a, b, cp.ring)
-
-  monkeypatch.setattr(fused, "_ag_rows_triton", ag)
-  monkeypatch.setattr(fused, "_rs_rows_triton", rs)
-  return calls
+  return stand_in_kernels(monkeypatch)
 
 
 def test_kernels_planned_inside_other_jits_loops_and_checkpoint(monkeypatch):
@@ -208,7 +195,7 @@ def test_kernels_planned_inside_other_jits_loops_and_checkpoint(monkeypatch):
   for where, make in programs.items():
     calls.clear()
     got = make()(x, w)
-    assert calls == ["ag", "rs"], (where, calls)
+    assert [c[0] for c in calls] == ["ag", "rs"], (where, calls)
     if "scan" not in where:
       np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=where)
 
@@ -218,19 +205,20 @@ def test_kernels_planned_inside_other_jits_loops_and_checkpoint(monkeypatch):
   calls.clear()
   with jax.set_mesh(mesh):
     got = jax.jit(jax.shard_map(direct, in_specs=(P("x"), P()), out_specs=P("x")))(x, w)
-  assert calls == ["ag", "rs"]
+  assert [c[0] for c in calls] == ["ag", "rs"]
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_backward_dual_is_planned_on_the_forward_mesh():
-  from jax_autooverlap.ops.planning import dual_params
-  from jax_autooverlap.ops.reference import RingParams
+  from jax_autooverlap.ops.planning import CoreParams, dual_params
+  from jax_autooverlap.ops.ring import RingParams
   ring = RingParams(axis_name="x", axis_size=2, chunks=1, precision=None,
                     out_dtype=np.dtype(jnp.bfloat16))
   a = jnp.zeros((1, 2048, 8192), jnp.bfloat16)  # the dual ag_rows of a 4096x8192x8192 rs
   b = jnp.zeros((1, 8192, 4096), jnp.bfloat16)
   mesh = fake_gpu_mesh()
-  dual = dual_params("ag_rows", a, b, ring, ao.OverlapConfig(impl="triton"), jnp.bfloat16, mesh)
+  forward = CoreParams(ring=ring, impl="triton", config=ao.OverlapConfig(impl="triton"), mesh=mesh)
+  dual = dual_params("ag_rows", a, b, forward, jnp.bfloat16)
   assert dual.impl == "triton" and dual.gpu.mesh is mesh
 
 
@@ -272,7 +260,7 @@ def test_model_function_decorated_with_ao_jit_inside_a_users_jitted_train_step(m
   want_params, want_loss = make_step(TPMlp(mesh, fuse=False))(params, x)
   got_params, got_loss = make_step(TPMlp(mesh, fuse=True))(params, x)
   # forward AG+GEMM and GEMM+RS, and in the backward pass each one's dual
-  assert sorted(calls) == ["ag", "ag", "rs", "rs"], calls
+  assert sorted(c[0] for c in calls) == ["ag", "ag", "rs", "rs"], calls
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for k in params:
     np.testing.assert_allclose(got_params[k], want_params[k], rtol=1e-4, atol=1e-6)

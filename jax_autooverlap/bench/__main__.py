@@ -257,7 +257,7 @@ def _write_tuning_cache(path, records, dtype, op):
 
 def _merge_into_user_cache(new_path, op):
   """Add this run's verdicts to the user's tuning cache, which ao.jit reads (newest wins)."""
-  from jax_autooverlap.tuning.select import user_cache_dir
+  from jax_autooverlap.tuning.store import user_cache_dir
   path = user_cache_dir() / f"tuning-{op}.json"
   path.parent.mkdir(parents=True, exist_ok=True)
   cache = json.loads(path.read_text()) if path.exists() else {}

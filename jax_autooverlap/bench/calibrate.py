@@ -226,7 +226,7 @@ def main(argv=None):
 
   from jax_autooverlap.tuning import fit as fitting
   from jax_autooverlap.tuning import model as cost_model
-  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning import store
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if not gpus and not args.smoke:
     print("calibrate: needs an NVIDIA GPU (or --smoke)", file=sys.stderr)
@@ -279,14 +279,14 @@ def main(argv=None):
   out_dir = pathlib.Path(args.out)
   tag = f"{kind.replace(' ', '-')}-x{world}-{date}"
   path = out_dir / f"calibration-{tag}{'-smoke' if args.smoke else ''}.json"
-  select.write_json_atomic(path, {**params, "measurements": {
+  store.write_json_atomic(path, {**params, "measurements": {
       "dispatch_floor_ms": floor, "gemm": [list(g) for g in gemm_raw],
       "kernel_one_gpu": [[cost_model.tile_name(c), m, n, k, ms] for c, m, n, k, ms in kernel_raw],
       "records": records}})
   if not args.no_cache:
-    cache = cost_model.params_path(select.user_cache_dir(), kind)
+    cache = cost_model.params_path(store.user_cache_dir(), kind)
     old = json.loads(cache.read_text()) if cache.exists() else {}
-    select.write_json_atomic(cache, cost_model.merge_params(old, params))
+    store.write_json_atomic(cache, cost_model.merge_params(old, params))
     cost_model.clear_cache()
     _log(f"parameters recorded in {cache} (the planner reads them from the next process on)")
 

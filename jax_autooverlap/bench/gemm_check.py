@@ -69,7 +69,7 @@ def main(argv=None):
   from jax_autooverlap.bench.calibrate import _random, kernel_sweep
   from jax_autooverlap.tuning import fit as fitting
   from jax_autooverlap.tuning import model as cost_model
-  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning import store
   from jax_autooverlap.tuning.autotune import time_call
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if not gpus and not args.smoke:
@@ -128,7 +128,7 @@ def main(argv=None):
     print(f"kernel {r['tile']} {r['m']}x{r['n']}x{r['k']}: {r['kernel_ms']:.4f} ms, model "
           f"{r['model_ms']:.4f} ms ({r['error'] * 100:+.1f} %)")
   out = pathlib.Path(args.out) / f"gemm-check-{kind.replace(' ', '-')}-{datetime.date.today()}.json"
-  select.write_json_atomic(out, {"device_kind": kind, "dtype": dtype.name,
+  store.write_json_atomic(out, {"device_kind": kind, "dtype": dtype.name,
                                  "params_source": part.get("source"), "tolerance": TOLERANCE,
                                  "within": within, "checked": len(checked), "cublas": rows,
                                  "kernel_one_gpu": kernel_rows})

@@ -5,6 +5,8 @@ jaxpr types come from `jax.extend.core`; the source-info helpers that
 """
 from __future__ import annotations
 
+import collections
+
 from jax.extend import core as jex_core
 from jax._src import source_info_util
 
@@ -73,3 +75,18 @@ def phase(eqn, outer: str = "fwd") -> str:
   remat = outer == "remat" or any(isinstance(s, source_info_util.Scope)
                                   and s.name == "rematted_computation" for s in stack)
   return ("remat" if remat else "bwd") if bwd else "fwd"
+
+
+def dataflow(jaxpr):
+  """(uses, producer, outvars) of a jaxpr: the equation indices reading each var (in order,
+  once each), the index of the equation defining it, and the jaxpr's output vars."""
+  uses, producer = collections.defaultdict(list), {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if is_var(v):
+        readers = uses[v]
+        if not readers or readers[-1] != i:
+          readers.append(i)
+    for v in eqn.outvars:
+      producer[v] = i
+  return uses, producer, {v for v in jaxpr.outvars if is_var(v)}

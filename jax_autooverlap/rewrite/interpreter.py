@@ -20,10 +20,10 @@ from typing import Callable
 
 import jax
 
-from jax_autooverlap.ops.api import ag_matmul, matmul_rs
+from jax_autooverlap.ops import ag_matmul, matmul_rs
+from jax_autooverlap.reasons import Reason
 from jax_autooverlap.rewrite import _jax, summed
-from jax_autooverlap.rewrite.analysis import SKIP, AgPlan, Plan, RsPlan
-from jax_autooverlap.rewrite.explicit import ExplicitAction
+from jax_autooverlap.rewrite.plan import SKIP, AgPlan, ExplicitAction, Plan, RsPlan
 from jax_autooverlap.rewrite.layout import apply_to_shard
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -63,8 +63,8 @@ class Interpreter:
       if isinstance(v, _jax.Literal) or v in env:
         return read(v)
       if not producers:
-        producers.update((o, e) for e in jaxpr.eqns for o in e.outvars)
-      eqn = producers[v]
+        producers.update(_jax.dataflow(jaxpr)[1])
+      eqn = jaxpr.eqns[producers[v]]
       with _jax.eqn_context(eqn):
         outs = _bind(eqn, eqn.params, [value(x) for x in eqn.invars])
       env.update(zip(eqn.outvars, outs))
@@ -82,7 +82,7 @@ class Interpreter:
       if isinstance(action, (AgPlan, RsPlan)):
         self._emit(action, value, env)
         continue
-      if isinstance(action, ExplicitAction):  # programs without shard_map: explicit.py
+      if isinstance(action, ExplicitAction):  # programs without shard_map: rewrite/explicit/
         with _jax.eqn_context(eqn):
           action.emit(self, value, env)
         continue
@@ -122,8 +122,8 @@ class Interpreter:
 
   def _keep_unfused(self, matches, error, what):
     text = str(error).strip().splitlines()
-    reason = (f"internal error while {what}, kept unfused: {type(error).__name__}: "
-              f"{text[0][:300] if text else ''}")
+    reason = Reason("internal_error", f"internal error while {what}, kept unfused: "
+                    f"{type(error).__name__}: {text[0][:300] if text else ''}")
     for m in matches:
       if m.rewritten and self.plan.report.mark_skipped(m, reason):
         warnings.warn(f"jax_autooverlap: {m.kind} over {m.axis_name!r} at {m.source}: {reason}",

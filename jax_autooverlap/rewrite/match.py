@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax_autooverlap.reasons import code_of
+
 
 FUSED, UNFUSED, SKIPPED = "fused", "unfused", "skipped"
 
@@ -43,6 +45,7 @@ class Match:
     matmul; path: where in the program (nesting of jit/shard_map/scan/...).
   origin: "shard_map" (a collective in a shard_map body) or "explicit" (a
     collective implied by the sharding types of a program without shard_map).
+  code: the stable code of `reason` (skipped) or of the planner's note (rewritten).
   """
   kind: str
   status: str
@@ -64,6 +67,11 @@ class Match:
   phase: str = "fwd"
   dot_source: str = ""
   origin: str = "shard_map"  # or "explicit": implied by explicit-sharding types, no shard_map
+  code: str = ""  # the reason's code (jax_autooverlap/reasons.py): why skipped, or what runs
+
+  def __post_init__(self):
+    if not self.code:  # the code the reason (skipped) or the planner's note (rewritten) carries
+      object.__setattr__(self, "code", code_of(self.reason if self.status == SKIPPED else self.impl))
 
   @property
   def fused(self) -> bool:
@@ -104,12 +112,13 @@ class Report:
   def skipped(self) -> list[Match]:
     return [m for m in self.matches if m.status == SKIPPED]
 
-  def mark_skipped(self, match: Match, reason: str) -> bool:
+  def mark_skipped(self, match: Match, reason) -> bool:
     """Replace `match` (this very object, wherever listed) by a skipped copy; False if absent."""
     found = False
     for i, m in enumerate(self.matches):
       if m is match:
-        self.matches[i] = dataclasses.replace(match, status=SKIPPED, reason=reason, impl=None)
+        self.matches[i] = dataclasses.replace(match, status=SKIPPED, reason=reason, impl=None,
+                                              code=code_of(reason))
         found = True
     return found
 

@@ -20,7 +20,7 @@ import math
 
 from jax import lax
 
-from jax_autooverlap.ops.planning import DotDims
+from jax_autooverlap.ops.dims import DotDims
 
 
 def _dims(eqn) -> DotDims:

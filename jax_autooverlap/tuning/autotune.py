@@ -4,7 +4,7 @@ Opt-in (`OverlapConfig(autotune=True)` or JAX_AUTOOVERLAP_AUTOTUNE=1).  When
 the planner meets a shape with no measured verdict on a GPU kind the cost
 model covers, it times, on the real devices, the unfused program and the
 model's `select.AUTOTUNE_CANDIDATES` fastest configs, and records the fastest
-in the user's tuning cache (select.record), so the shape is a measured shape
+in the user's tuning cache (store.record), so the shape is a measured shape
 from then on, in this process and the next ones.
 
 How the timing runs: the planner calls us while JAX traces the user's
@@ -35,7 +35,7 @@ from typing import Callable
 
 import numpy as np
 
-from jax_autooverlap.tuning import select
+from jax_autooverlap.tuning import select, store
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
 ENV = "JAX_AUTOOVERLAP_AUTOTUNE"
@@ -125,7 +125,7 @@ def tune(op: str, verdict: select.Verdict,
   if entry["impl"] == "unfused":
     entry["note"] = "fused kernel not faster" if timed else "kernel failed"
   entry = agree(verdict.key, entry)
-  path = select.record(op, verdict.key, entry)
+  path = store.record(op, verdict.key, entry)
   _log(f"{verdict.key}: {entry['impl']} recorded in {path}")
   return select.measured_verdict(entry, verdict.key)
 

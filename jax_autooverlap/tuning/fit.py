@@ -358,7 +358,7 @@ def main(argv=None):
     if len(params) != 1:
       print(f"fit: records hold {len(params)} GPU kinds; --out takes one", file=sys.stderr)
       return 2
-    from jax_autooverlap.tuning.select import write_json_atomic
+    from jax_autooverlap.tuning.store import write_json_atomic
     (p,) = params.values()
     inputs = {"records": args.records, "gemm": args.gemm}  # the test re-fits from these
     write_json_atomic(pathlib.Path(args.out), {**p, "fit_inputs": inputs,

@@ -37,10 +37,10 @@ import pathlib
 
 import numpy as np
 
+from jax_autooverlap.tuning import store
 from jax_autooverlap.tuning.config import KernelConfig
 
 FORMAT = 1
-_DATA = pathlib.Path(__file__).parent / "data"
 MAX_CHUNKS = 64  # arrival counters per peer in the workspace (runtime/workspace.py MAX_CHUNKS)
 
 
@@ -280,16 +280,11 @@ def merge_params(base: dict, new: dict) -> dict:
   return out
 
 
-def _user_dir() -> pathlib.Path:
-  from jax_autooverlap.tuning.select import user_cache_dir
-  return user_cache_dir()
-
-
 @functools.cache
 def _all_params() -> dict:
   """device kind -> params, shipped ones then the user's calibration (read once per process)."""
   out: dict[str, dict] = {}
-  for path in sorted(_DATA.glob("model_*.json")) + sorted(_user_dir().glob("model_*.json")):
+  for path in store.model_param_files():
     data = json.loads(path.read_text())
     if data.get("format") != FORMAT:
       continue

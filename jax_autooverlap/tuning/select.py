@@ -3,7 +3,7 @@
 Order: explicit `OverlapConfig.kernel` (or impl='triton') -> measured verdict
 for this exact shape -> the cost model's choice (tuning/model.py) -> the
 unfused program.  Measured verdicts are the JSON shipped in tuning/data/
-plus the user's cache directory (`user_cache_dir()`, where
+plus the user's cache directory (tuning/store.py, where
 `python -m jax_autooverlap.bench ag|rs` and first-call autotuning record
 them; user entries win).  The cost model covers any shape on a (GPU kind,
 group size, dtype) it has parameters for (shipped, or from
@@ -17,19 +17,15 @@ consulted, what it predicts; ao.explain shows both.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import pathlib
-import re
-import tempfile
 
 import numpy as np
 
+from jax_autooverlap.reasons import Reason
 from jax_autooverlap.tuning import model as cost_model
+from jax_autooverlap.tuning import store
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
-_DATA = pathlib.Path(__file__).parent / "data"
 SMEM_LIMIT = 227 * 1024
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 # The configs the model ranks (per tile shape it has a cost for): the
@@ -50,7 +46,7 @@ GLUON_CAPABILITY = "9.0"
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   kernel: KernelConfig | None  # None: run the unfused program
-  reason: str                  # why (shown by ao.explain)
+  reason: Reason               # why (shown by ao.explain)
   source: str = ""             # explicit | measured | autotuned | model | "" (no choice made)
   key: str | None = None       # this call's tuning-cache key
   candidates: tuple = ()       # the model's fastest configs (what autotuning times)
@@ -59,47 +55,6 @@ class Verdict:
 
 def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dtype) -> str:
   return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{np.dtype(dtype).name}"
-
-
-def user_cache_dir() -> pathlib.Path:
-  """Where benchmark runs record measured verdicts ($JAX_AUTOOVERLAP_CACHE_DIR or ~/.cache)."""
-  env = os.environ.get("JAX_AUTOOVERLAP_CACHE_DIR")
-  return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jax_autooverlap"
-
-
-@functools.cache
-def _cache() -> dict:
-  """Shipped verdicts, then the user's (read once per process; `record` adds to it)."""
-  entries = {}
-  shipped = sorted(_DATA.glob("ag_*.json")) + sorted(_DATA.glob("rs_*.json"))
-  for path in shipped + sorted(user_cache_dir().glob("tuning-*.json")):
-    entries.update(json.loads(path.read_text()))
-  return entries
-
-
-def write_json_atomic(path: pathlib.Path, data) -> None:
-  """Readers (other processes too) see the old file or the new one, never a partial one.
-
-  Lists of numbers are written on one line (the model's measured points).
-  """
-  text = json.dumps(data, indent=1, sort_keys=True)
-  text = re.sub(r"\[\s+([-0-9.e,\s]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]",
-                text)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    f.write(text + "\n")
-  os.replace(tmp, path)
-
-
-def record(op: str, key: str, entry: dict) -> pathlib.Path:
-  """Add a measured verdict to the user's cache (file and this process's view of it)."""
-  path = user_cache_dir() / f"tuning-{op}.json"
-  cache = json.loads(path.read_text()) if path.exists() else {}
-  cache[key] = entry
-  write_json_atomic(path, cache)
-  _cache()[key] = entry
-  return path
 
 
 def default_kernel(dtype) -> KernelConfig:
@@ -173,11 +128,11 @@ def measured_verdict(hit: dict, key: str) -> Verdict:
   if hit.get("ours_ms") is not None and hit.get("unfused_ms") is not None:
     times = f"{hit['ours_ms']:.3f} vs unfused {hit['unfused_ms']:.3f} ms"
   if hit.get("impl") == "triton":
-    return Verdict(KernelConfig(**hit["kernel"]),
-                   f"{source}: fused kernel faster" + (f" ({times})" if times else ""), source, key)
+    return Verdict(KernelConfig(**hit["kernel"]), Reason(
+        "kernel", f"{source}: fused kernel faster" + (f" ({times})" if times else "")), source, key)
   detail = "; ".join(x for x in (hit.get("note", ""), times.replace(" vs ", " fused vs ")) if x)
-  return Verdict(None, f"{source}: unfused faster" + (f" ({detail})" if detail else ""), source,
-                 key)
+  return Verdict(None, Reason("tuner_unfused", f"{source}: unfused faster"
+                              + (f" ({detail})" if detail else "")), source, key)
 
 
 def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtype,
@@ -189,16 +144,17 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
   ranked = model.rank(op, rows, k, cols, configs, out_item)
   unfused = model.unfused_ms(op, rows, k, cols, out_item)
   if not ranked:
-    return Verdict(None, f"model: no kernel config it covers fits this shape ({model.source})",
-                   "model", key)
+    return Verdict(None, Reason("unsupported_shape", "model: no kernel config it covers fits this "
+                                f"shape ({model.source})"), "model", key)
   best_ms, best = ranked[0]
   candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES])
   if best_ms < unfused:
-    return Verdict(best, f"model: fused {best_ms:.3f} ms vs unfused {unfused:.3f} ms predicted, "
-                   f"{_describe(best, op)} ({model.source})", "model", key, candidates,
-                   (best_ms, unfused))
-  return Verdict(None, f"model: unfused {unfused:.3f} ms vs fused {best_ms:.3f} ms predicted "
-                 f"({model.source})", "model", key, candidates, (best_ms, unfused))
+    return Verdict(best, Reason("kernel", f"model: fused {best_ms:.3f} ms vs unfused "
+                                f"{unfused:.3f} ms predicted, {_describe(best, op)} "
+                                f"({model.source})"), "model", key, candidates, (best_ms, unfused))
+  return Verdict(None, Reason("tuner_unfused", f"model: unfused {unfused:.3f} ms vs fused "
+                              f"{best_ms:.3f} ms predicted ({model.source})"), "model", key,
+                 candidates, (best_ms, unfused))
 
 
 def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: str,
@@ -208,18 +164,20 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
   cfg = explicit or default_kernel(dtype)
   why_not = why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
   if why_not:
-    return Verdict(None, why_not)
+    return Verdict(None, Reason("unsupported_shape", why_not))
   if explicit is not None or config.impl == "triton":
-    return Verdict(cfg, "explicit config" if explicit else "impl='triton'", "explicit", key)
-  hit = _cache().get(key)
+    return Verdict(cfg, Reason("forced", "explicit config" if explicit else "impl='triton'"),
+                   "explicit", key)
+  hit = store.verdicts().get(key)
   if hit is not None:
     return measured_verdict(hit, key)
   model = cost_model.load(device_kind, world, dtype)
   if model is None:
-    return Verdict(None, f"kernel never measured on {world}x {device_kind} for "
-                   f"{np.dtype(dtype).name}: run `python -m jax_autooverlap.bench calibrate` "
-                   f"(cost model) or `python -m jax_autooverlap.bench {op}` (verdicts for "
-                   "its shapes) there once", "", key)
+    return Verdict(None, Reason(
+        "never_measured", f"kernel never measured on {world}x {device_kind} for "
+        f"{np.dtype(dtype).name}: run `python -m jax_autooverlap.bench calibrate` (cost model) "
+        f"or `python -m jax_autooverlap.bench {op}` (verdicts for its shapes) there once"), "",
+        key)
   return _model_verdict(op, model, *sizes, dtype, out_dtype, key, shard_rows)
 
 

@@ -1,0 +1,175 @@
+"""What the interpreter runs for the fused ops of a program without shard_map.
+
+Each fused op runs inside a `jax.shard_map` manual over the mesh axes named
+in the sharding types, with in/out specs read from them: in the body every
+value is a local block, the op communicates over its axis, and matmuls that
+also sum over other axes (data-parallel weight gradients) `psum` over those.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+
+from jax_autooverlap.ops import ag_matmul, matmul_rs
+from jax_autooverlap.rewrite.explicit.sharding import local_shape, pspec, spec_of
+from jax_autooverlap.rewrite.match import Match
+from jax_autooverlap.rewrite.plan import ExplicitAction
+from jax_autooverlap.runtime import context
+
+def _local_layout(eqn, x, shape):
+  """A layout op applied to a local block whose shape after the op is `shape`."""
+  name = eqn.primitive.name
+  if name == "convert_element_type":
+    return lax.convert_element_type(x, eqn.params["new_dtype"])
+  if name == "transpose":
+    return lax.transpose(x, tuple(eqn.params["permutation"]))
+  if name in ("reshape", "squeeze"):
+    return lax.reshape(x, shape)
+  return x  # copy: values unchanged
+
+
+def _shard_map(body, mesh, cmesh, in_specs, out_specs, args):
+  axes = {a for spec in (*in_specs, *out_specs) for e in spec for a in e}
+  # check_vma=False: a result replicated over an axis its body varies on (a
+  # gathered matmul with a replicated weight) is legal; shard_map's transpose
+  # then sums cotangents over the axes an input is replicated on, as the
+  # unfused program does.
+  f = jax.shard_map(body, mesh=mesh, in_specs=tuple(map(pspec, in_specs)),
+                    out_specs=tuple(map(pspec, out_specs)), axis_names=axes, check_vma=False)
+  with context.use_mesh(cmesh):
+    return f(*args)
+
+
+@dataclasses.dataclass(eq=False)
+class AgFusion(ExplicitAction):
+  """all_gather(shard) -> [layout ops] -> dot_general, as one ag_matmul."""
+  match: Match
+  shard_var: Any
+  shard_spec: tuple
+  chain: tuple  # ((eqn, out_dim), ...) applied to the shard
+  gather_dim: int
+  dot_eqn: Any
+  operand: int
+  specs: tuple  # (other operand, result, gathered value)
+  summed: tuple  # other axes the product is all-reduced over
+  gathered_key: Any  # env key for the gathered value (None: not needed)
+  mesh: Any
+  cmesh: Any
+
+  def reads(self):
+    return (self.shard_var, self.dot_eqn.invars[1 - self.operand])
+
+  def emit(self, interp, read, env):
+    a, n, x = self.match.axis_name, self.match.axis_size, self.operand
+    p = self.dot_eqn.params
+    need = self.gathered_key is not None
+
+    def body(shard, other):
+      for ceqn, out_dim in self.chain:
+        spec = spec_of(ceqn.outvars[0])
+        shard = _local_layout(ceqn, shard, local_shape(ceqn.outvars[0], spec, self.mesh,
+                                                        (out_dim, n)))
+      lhs, rhs = (shard, other) if x == 0 else (other, shard)
+      res = ag_matmul(lhs, rhs, a, gather_dim=self.gather_dim, gather_operand=x,
+                      dimension_numbers=p["dimension_numbers"], precision=p["precision"],
+                      preferred_element_type=p["preferred_element_type"],
+                      return_gathered=need, config=interp.config)
+      out, gathered = res if need else (res, None)
+      if self.summed:
+        out = lax.psum(out, self.summed)
+      return (out, gathered) if need else (out,)
+
+    other_spec, out_spec, gathered_spec = self.specs
+    outs = _shard_map(body, self.mesh, self.cmesh, (self.shard_spec, other_spec),
+                      (out_spec, gathered_spec) if need else (out_spec,),
+                      (read(self.shard_var), read(self.dot_eqn.invars[1 - x])))
+    env[self.dot_eqn.outvars[0]] = outs[0]
+    if need:
+      env[self.gathered_key] = outs[1]
+
+
+def producers_first(fusions):
+  """Order fused ops placed at one equation so that each runs after those it reads from."""
+  pending, ordered = list(fusions), []
+  while pending:
+    f = next(f for f in pending
+             if not any(g is not f and g.gathered_key in f.reads() for g in pending))
+    pending.remove(f)
+    ordered.append(f)
+  return ordered
+
+
+@dataclasses.dataclass(eq=False)
+class GatheredDot(ExplicitAction):
+  """A dot_general reading the gathered value another matmul's fused op produced."""
+  dot_eqn: Any
+  operand: int
+  gathered_key: Any
+
+  def emit(self, interp, read, env):
+    args = [read(v) for v in self.dot_eqn.invars]
+    args[self.operand] = env[self.gathered_key]
+    env[self.dot_eqn.outvars[0]] = self.dot_eqn.primitive.bind(*args, **self.dot_eqn.params)
+
+
+@dataclasses.dataclass(eq=False)
+class Bind(ExplicitAction):
+  """The equation itself, bound as written."""
+  eqn: Any
+
+  def emit(self, interp, read, env):
+    outs = self.eqn.primitive.bind(*(read(v) for v in self.eqn.invars), **self.eqn.params)
+    outs = outs if self.eqn.primitive.multiple_results else [outs]
+    env.update(zip(self.eqn.outvars, outs))
+
+
+@dataclasses.dataclass(eq=False)
+class Then(ExplicitAction):
+  """Several actions at one equation: fused ops placed ahead of a matmul that reads their
+  gathered value, then the equation's own action."""
+  actions: tuple
+
+  def emit(self, interp, read, env):
+    for action in self.actions:
+      action.emit(interp, read, env)
+
+
+@dataclasses.dataclass(eq=False)
+class RsFusion(ExplicitAction):
+  """dot_general (or a sum of them) -> [layout ops] -> reduce-scatter, as one matmul_rs."""
+  match: Match
+  dots: tuple
+  concat: tuple  # (lhs dim, rhs dim) the summed matmuls' operands are concatenated along
+  scatter_dim: int
+  chain: tuple  # ((eqn, out_dim), ...) applied to the scattered product
+  in_specs: tuple
+  out_var: Any
+  out_spec: tuple
+  summed: tuple
+  mesh: Any
+  cmesh: Any
+
+  def emit(self, interp, read, env):
+    a, n, k = self.match.axis_name, self.match.axis_size, len(self.dots)
+    p = self.dots[0].params
+
+    def body(*ops):
+      lhs, rhs = ops[:k], ops[k:]
+      x = lhs[0] if k == 1 else lax.concatenate(lhs, self.concat[0])
+      w = rhs[0] if k == 1 else lax.concatenate(rhs, self.concat[1])
+      y = matmul_rs(x, w, a, scatter_dim=self.scatter_dim,
+                    dimension_numbers=p["dimension_numbers"], precision=p["precision"],
+                    preferred_element_type=p["preferred_element_type"], config=interp.config)
+      if self.summed:
+        y = lax.psum(y, self.summed)
+      for ceqn, out_dim in self.chain:
+        spec = spec_of(ceqn.outvars[0])
+        y = _local_layout(ceqn, y, local_shape(ceqn.outvars[0], spec, self.mesh, (out_dim, n)))
+      return (y,)
+
+    args = [read(d.invars[0]) for d in self.dots] + [read(d.invars[1]) for d in self.dots]
+    env[self.out_var] = _shard_map(body, self.mesh, self.cmesh, self.in_specs,
+                                   (self.out_spec,), args)[0]
