@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 
 from jax_autooverlap.rewrite import Interpreter, Report, analyze
-from jax_autooverlap.tuning.config import OverlapConfig
+from jax_autooverlap.tuning.config import OverlapConfig, as_overlap_config
 
 
 def _rewriting(fun: Callable, config: OverlapConfig, sink: list | None = None) -> Callable:
@@ -55,17 +55,6 @@ def _rewrite_and_run(fun, config, sink, args, kwargs):
   return jax.tree.unflatten(out_tree[0], outs)
 
 
-def _check_config(config) -> OverlapConfig:
-  if config is None:
-    return OverlapConfig()
-  if isinstance(config, OverlapConfig):
-    return config
-  hint = (f"ao.OverlapConfig(**{config!r})" if isinstance(config, dict)
-          else "ao.OverlapConfig(impl=..., chunks=...)")
-  raise TypeError(f"ao.jit: overlap_config must be an ao.OverlapConfig, got "
-                  f"{type(config).__name__}; pass {hint}")
-
-
 class AutoOverlapJit:
   """What `ao.jit` returns: callable like the `jax.jit` object it wraps."""
 
@@ -73,7 +62,7 @@ class AutoOverlapJit:
     if not callable(fun):
       raise TypeError(f"ao.jit expects a callable, got {type(fun).__name__}")
     self._fun = fun
-    self._config = _check_config(overlap_config)
+    self._config = as_overlap_config(overlap_config, "ao.jit: overlap_config")
     self._jit_kwargs = jit_kwargs
     self._jitted = jax.jit(_rewriting(fun, self._config), **jit_kwargs)
     functools.update_wrapper(self, fun)
@@ -110,7 +99,7 @@ def jit(fun: Callable | None = None, /, *, overlap_config: OverlapConfig | None 
   ...) is forwarded.  `overlap_config` sets how the fused ops run.
   """
   if fun is None:
-    _check_config(overlap_config)
+    as_overlap_config(overlap_config, "ao.jit: overlap_config")
     return functools.partial(jit, overlap_config=overlap_config, **jit_kwargs)
   return AutoOverlapJit(fun, overlap_config, **jit_kwargs)
 

@@ -30,7 +30,7 @@ from jax_autooverlap.ops import registry, ring
 from jax_autooverlap.ops.dims import DotDims
 from jax_autooverlap.ops.planning import CoreParams, dual_params, op_params
 from jax_autooverlap.ops.ring import RingParams
-from jax_autooverlap.tuning.config import OverlapConfig
+from jax_autooverlap.tuning.config import OverlapConfig, as_overlap_config
 
 
 # --- ag_rows: all_gather(a, rows) @ b -------------------------------------------------------
@@ -169,7 +169,7 @@ def ag_matmul(x, w, axis_name, *, gather_dim: int = 0, gather_operand: int = 0,
   axis_name = cf.single_axis(axis_name, op)
   if gather_operand not in (0, 1):
     raise ValueError(f"{op}: gather_operand={gather_operand!r} must be 0 (x) or 1 (w)")
-  config = cf.check_config(config, op)
+  config = as_overlap_config(config, f"{op}: config")
   n = cf.axis_size(axis_name, op)
   x, w = jnp.asarray(x), jnp.asarray(w)
   dn = cf.default_dn(x, w) if dimension_numbers is None else dimension_numbers

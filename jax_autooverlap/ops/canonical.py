@@ -15,7 +15,6 @@ import numpy as np
 from jax import lax
 
 from jax_autooverlap._compat import varying_axes
-from jax_autooverlap.tuning.config import OverlapConfig
 
 DotDimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 SWAP_MK = (0, 2, 1)
@@ -39,14 +38,6 @@ def axis_size(axis_name, op: str) -> int:
   except NameError as e:
     raise NameError(f"{op}: unbound axis name {axis_name!r}: call it inside a shard_map "
                     f"(or jit/pmap) whose mesh has an axis named {axis_name!r} ({e})") from None
-
-
-def check_config(config: Any, op: str) -> OverlapConfig:
-  if config is None:
-    return OverlapConfig()
-  if not isinstance(config, OverlapConfig):
-    raise TypeError(f"{op}: config must be an OverlapConfig, got {type(config).__name__}")
-  return config
 
 
 def default_dn(x, w) -> DotDimensionNumbers:

@@ -24,7 +24,7 @@ from jax_autooverlap.ops import registry, ring
 from jax_autooverlap.ops.dims import DotDims
 from jax_autooverlap.ops.planning import CoreParams, dual_params, op_params
 from jax_autooverlap.ops.ring import RingParams
-from jax_autooverlap.tuning.config import OverlapConfig
+from jax_autooverlap.tuning.config import OverlapConfig, as_overlap_config
 
 
 def _rs_rows_ring(a, b, p: RingParams):
@@ -94,7 +94,7 @@ def matmul_rs(x, w, axis_name, *, scatter_dim: int = 0,
   """
   op = "matmul_rs"
   axis_name = cf.single_axis(axis_name, op)
-  config = cf.check_config(config, op)
+  config = as_overlap_config(config, f"{op}: config")
   n = cf.axis_size(axis_name, op)
   x, w = jnp.asarray(x), jnp.asarray(w)
   dn = cf.default_dn(x, w) if dimension_numbers is None else dimension_numbers

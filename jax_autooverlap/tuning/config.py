@@ -115,6 +115,19 @@ class OverlapConfig:
       raise TypeError(f"OverlapConfig: autotune={self.autotune!r} must be a bool")
 
 
+def as_overlap_config(config, what: str) -> OverlapConfig:
+  """`config` checked to be an OverlapConfig (None: the default); `what` names the argument
+  ("ao.jit: overlap_config")."""
+  if config is None:
+    return OverlapConfig()
+  if isinstance(config, OverlapConfig):
+    return config
+  hint = (f"ao.OverlapConfig(**{config!r})" if isinstance(config, dict)
+          else "ao.OverlapConfig(impl=..., chunks=...)")
+  raise TypeError(f"{what} must be an ao.OverlapConfig, got "
+                  f"{type(config).__name__}; pass {hint}")
+
+
 def resolve_chunks(config: OverlapConfig, rows: int) -> int:
   """Chunk count the reference ring uses for a shard of `rows` rows (never more than rows)."""
   chunks = DEFAULT_CHUNKS if config.chunks is None else config.chunks
