@@ -29,6 +29,7 @@ CODES = {
     "communicates_besides": "the matmul communicates besides this collective",
     "impl_unavailable": "the forced implementation cannot run here",
     "internal_error": "the library failed while rewriting this match (kept as written)",
+    "outside_ao_jit": "outside every ao.jit function of the program: runs as written",
     # the planner: the fused op runs the unfused program (or cannot run the kernel)
     "forced": "OverlapConfig(impl=...) chose the implementation",
     "platform_at_lowering": "no concrete mesh at trace time: chosen at lowering",

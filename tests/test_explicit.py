@@ -278,3 +278,31 @@ def test_explicit_mesh_without_collectives_diagnosis():
     w = jax.device_put(jnp.ones((8, 16)), P(None, "tp"))
     text = str(ao.explain(lambda x, w: x @ w, x, w))
   assert "tp=4 Explicit" in text and "imply no all-gather or reduce-scatter" in text, text
+
+
+@pytest.mark.parametrize("failing", ["AgFusion", "RsFusion"])
+def test_internal_error_in_one_explicit_match_keeps_it_unfused(monkeypatch, failing):
+  """A failure while emitting one fused op of an explicit-sharding program leaves that match
+  as written (skipped, with the error) and the rest rewritten; the program equals jax.jit's."""
+  from jax_autooverlap.rewrite.explicit import actions
+  mesh, layer, x, layers = setup((4,))
+  model = llama(layer)
+  cls = getattr(actions, failing)
+  emit, calls = cls.emit, []
+
+  def first_fails(self, interp, read, env):
+    calls.append(self)
+    if len(calls) == 1:
+      raise RuntimeError(f"boom in {failing}")
+    return emit(self, interp, read, env)
+
+  monkeypatch.setattr(cls, "emit", first_fails)
+  with jax.set_mesh(mesh):
+    want = jax.jit(model)(x, layers)
+    with pytest.warns(RuntimeWarning, match=f"boom in {failing}"):
+      fused = ao.jit(model)
+      got = fused(x, layers)
+      report = fused.explain(x, layers)
+  check_close(got, want)
+  assert [m.code for m in report.skipped] == ["internal_error"], str(report)
+  assert len(report.fused) == len(FWD * 2) - 1, str(report)

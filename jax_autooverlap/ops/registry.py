@@ -78,6 +78,14 @@ def core(name: str) -> Core:
   return CORES[name]
 
 
+def is_core_call(eqn) -> bool:
+  """Is this equation a call of one of the cores (a fused op already in the program)?"""
+  if eqn.primitive.name != "custom_vjp_call":
+    return False
+  bwd = getattr(eqn.params.get("bwd"), "f", None)  # the core's backward rule
+  return any(bwd is c.fn.bwd for c in CORES.values())
+
+
 def dispatch(name: str, a, b, cp, need_gathered: bool = True):
   """Run the implementation cp.impl names ("platform": chosen per platform at lowering)."""
   c = CORES[name]

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import collections
 
+import functools
+import importlib.util
+import os
+
+import jax
 from jax.extend import core as jex_core
 from jax._src import source_info_util
 
@@ -48,11 +53,57 @@ def map_jaxprs(params, fn):
   return {k: sub(v) for k, v in params.items()}
 
 
+# Libraries whose frames are not the user's: a row names the first frame outside them (and
+# outside JAX, which JAX's own filter drops).
+LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax_autooverlap")
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+  dirs = []
+  for name in LIBRARIES:
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      continue
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+      dirs.append(os.path.join(os.path.realpath(loc), ""))
+  return tuple(dirs)
+
+
 def source_line(eqn) -> str:
+  """The user's line an equation comes from: its first frame outside JAX and the libraries
+  models are written with (flax, equinox, optax, haiku) and this package."""
   try:
-    return source_info_util.summarize(eqn.source_info)
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
   except Exception:
     return "?"
+  libs = _library_dirs()
+  for frame in frames:
+    if not os.path.realpath(frame.file_name).startswith(libs):
+      return source_info_util._summarize_frame(frame)
+  return source_info_util._summarize_frame(frames[0]) if frames else "?"
+
+
+def forward_mode(values) -> bool:
+  """Are any of these values forward-mode tangent tracers (jax.jvp, jax.jacfwd)?"""
+  from jax._src.interpreters import ad
+  return any(isinstance(v, ad.JVPTracer) for v in values)
+
+
+def make_jaxpr(fn, *args):
+  """jax.make_jaxpr(fn)(*args), its equations with the Python frames that made them.
+
+  Inside a custom_vjp rule JAX gives every equation the rule's call site for a
+  traceback; the rewrite's rows must name the user's lines instead.
+  """
+  holder = source_info_util._source_info_context
+  prev = holder.context
+  holder.context = source_info_util.SourceInfo(None, prev.name_stack)  # no traceback override
+  try:
+    return jax.make_jaxpr(fn)(*args)
+  finally:
+    holder.context = prev
 
 
 def eqn_context(eqn):

@@ -84,7 +84,7 @@ class Interpreter:
         continue
       if isinstance(action, ExplicitAction):  # programs without shard_map: rewrite/explicit/
         with _jax.eqn_context(eqn):
-          action.emit(self, value, env)
+          self._emit_explicit(action, value, env)
         continue
       if eqn.outvars and all(v in env for v in eqn.outvars):
         continue  # computed early for a fused op
@@ -111,6 +111,20 @@ class Interpreter:
           outs = _bind(eqn, eqn.params, [read(v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, outs):
           env[v] = x
+
+  def _emit_explicit(self, action: ExplicitAction, value, env):
+    """Emit each part of an explicit-sharding action; a part that fails keeps its matches
+    unfused: what it writes is computed as the program does."""
+    for part in action.parts():
+      try:
+        part.emit(self, value, env)
+      except Exception as e:  # noqa: BLE001 - any failure keeps this match unfused
+        if not part.matches:
+          raise  # an equation of the program itself, bound as written
+        self._keep_unfused(part.matches, e, "rewriting this match")
+        for v in part.writes():
+          env.pop(v, None)
+          env[v] = value(v)
 
   def _rebuild(self, eqn, invals, key):
     rule = RULES.get(eqn.primitive.name, _generic_rule)

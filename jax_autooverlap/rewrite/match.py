@@ -46,6 +46,8 @@ class Match:
   origin: "shard_map" (a collective in a shard_map body) or "explicit" (a
     collective implied by the sharding types of a program without shard_map).
   code: the stable code of `reason` (skipped) or of the planner's note (rewritten).
+  function: in the report of a program that calls ao.jit functions, the one whose rewrite
+    this row is from ("" for the program's own candidates).
   """
   kind: str
   status: str
@@ -68,6 +70,7 @@ class Match:
   dot_source: str = ""
   origin: str = "shard_map"  # or "explicit": implied by explicit-sharding types, no shard_map
   code: str = ""  # the reason's code (jax_autooverlap/reasons.py): why skipped, or what runs
+  function: str = ""  # the ao.jit function whose rewrite this row is from (in a larger program)
 
   def __post_init__(self):
     if not self.code:  # the code the reason (skipped) or the planner's note (rewritten) carries
@@ -99,6 +102,19 @@ class Report:
   """All candidates of one traced program; `str(report)` is a readable table."""
   matches: list[Match] = dataclasses.field(default_factory=list)
   notes: list[str] = dataclasses.field(default_factory=list)  # what was looked at, if empty
+  functions: tuple[str, ...] = ()  # the ao.jit functions whose rewrites the rows come from
+
+  @property
+  def has_regions(self) -> bool:
+    return bool(self.functions)
+
+  def add_region(self, function: str, report: "Report") -> None:
+    """Take the rows (and, where it found none, the notes) of an ao.jit function's rewrite."""
+    self.matches.extend(m if m.function else dataclasses.replace(m, function=function)
+                        for m in report.matches)
+    if not report.matches:
+      self.notes.extend(f"{function}: {note}" for note in report.notes)
+    self.functions = tuple(dict.fromkeys((*self.functions, function, *report.functions)))
 
   @property
   def fused(self) -> list[Match]:

@@ -51,9 +51,23 @@ class RsPlan:
 
 class ExplicitAction:
   """What the interpreter runs instead of binding an equation of a program without shard_map
-  (rewrite/explicit/actions.py): emit(interp, read, env) writes the equation's results."""
+  (rewrite/explicit/actions.py): emit(interp, read, env) writes the values `writes()` names.
 
-  matches: tuple = ()  # the matches it stands for (reported skipped if it fails)
+  If emitting a part fails, the interpreter reports its `matches` skipped and computes what
+  it writes as the program does (the equations it stands for, bound as written).
+  """
+
+  @property
+  def matches(self) -> tuple:
+    return ()
+
+  def parts(self) -> tuple:
+    """The actions that succeed or fail on their own (a composite lists its members)."""
+    return (self,)
+
+  def writes(self) -> tuple:
+    """The program's variables this action computes."""
+    return ()
 
   def emit(self, interp, read, env):
     raise NotImplementedError
@@ -69,8 +83,9 @@ class Plan:
 
   @property
   def has_fused(self) -> bool:
-    """Does the program change: is any match rewritten (status fused or unfused)?"""
-    return any(m.rewritten for m in self.report.matches)
+    """Does the program change: is any of its own matches rewritten (status fused or unfused;
+    rows of ao.jit regions inside it are already rewritten)?"""
+    return any(m.rewritten and not m.function for m in self.report.matches)
 
 
 def dtype_reason(dot_eqn, gathered: int | None = None) -> Reason | None:

@@ -14,6 +14,7 @@ import jax
 from jax import lax
 
 from jax_autooverlap.ops import ag_matmul, matmul_rs
+from jax_autooverlap.rewrite import _jax
 from jax_autooverlap.rewrite.explicit.sharding import local_shape, pspec, spec_of
 from jax_autooverlap.rewrite.match import Match
 from jax_autooverlap.rewrite.plan import ExplicitAction
@@ -59,8 +60,16 @@ class AgFusion(ExplicitAction):
   mesh: Any
   cmesh: Any
 
+  @property
+  def matches(self):
+    return (self.match,)
+
   def reads(self):
     return (self.shard_var, self.dot_eqn.invars[1 - self.operand])
+
+  def writes(self):  # the gathered value under its own key is no program variable
+    return (self.dot_eqn.outvars[0],) + ((self.gathered_key,) if _jax.is_var(self.gathered_key)
+                                         else ())
 
   def emit(self, interp, read, env):
     a, n, x = self.match.axis_name, self.match.axis_size, self.operand
@@ -105,9 +114,17 @@ def producers_first(fusions):
 @dataclasses.dataclass(eq=False)
 class GatheredDot(ExplicitAction):
   """A dot_general reading the gathered value another matmul's fused op produced."""
+  match: Match  # that fused op's
   dot_eqn: Any
   operand: int
   gathered_key: Any
+
+  @property
+  def matches(self):
+    return (self.match,)
+
+  def writes(self):
+    return (self.dot_eqn.outvars[0],)
 
   def emit(self, interp, read, env):
     args = [read(v) for v in self.dot_eqn.invars]
@@ -119,6 +136,9 @@ class GatheredDot(ExplicitAction):
 class Bind(ExplicitAction):
   """The equation itself, bound as written."""
   eqn: Any
+
+  def writes(self):
+    return tuple(self.eqn.outvars)
 
   def emit(self, interp, read, env):
     outs = self.eqn.primitive.bind(*(read(v) for v in self.eqn.invars), **self.eqn.params)
@@ -132,9 +152,8 @@ class Then(ExplicitAction):
   gathered value, then the equation's own action."""
   actions: tuple
 
-  def emit(self, interp, read, env):
-    for action in self.actions:
-      action.emit(interp, read, env)
+  def parts(self):
+    return tuple(p for action in self.actions for p in action.parts())
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,6 +170,13 @@ class RsFusion(ExplicitAction):
   summed: tuple
   mesh: Any
   cmesh: Any
+
+  @property
+  def matches(self):
+    return (self.match,)
+
+  def writes(self):
+    return (self.out_var,)
 
   def emit(self, interp, read, env):
     a, n, k = self.match.axis_name, self.match.axis_size, len(self.dots)

@@ -133,7 +133,8 @@ class _Matcher:
     return dict(kind=kind, axis_name=axis, axis_size=n, collective_dim=collective_dim,
                 lhs_shape=shapes[0], rhs_shape=shapes[1], out_shape=shapes[2],
                 dtype=str(deqn.outvars[0].aval.dtype), source=_jax.source_line(source_eqn),
-                path=self.path, origin=ORIGIN)
+                dot_source=_jax.source_line(deqn), path=self.path, origin=ORIGIN,
+                phase=_jax.phase(source_eqn, self.phase))
 
   def _impl(self, kind, deqn, shapes, operand, dim, n, mesh):
     lhs, rhs = deqn.invars
@@ -266,7 +267,7 @@ class _Matcher:
     key = object() if len(members) > 1 else None  # env key of the gathered value
     for j, c in members:
       if j != i:
-        self._act(j, GatheredDot(self.eqns[j], c.operand, key))
+        self._act(j, GatheredDot(match, self.eqns[j], c.operand, key))
         self.claimed[j] = comm.axis
     self._place(first, i, AgFusion(
         match, v, specs[comm.operand], (), comm.dim, deqn, comm.operand,
