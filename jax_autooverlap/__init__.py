@@ -2,8 +2,8 @@
 from jax_autooverlap.api import AutoOverlapJit, explain, jit
 from jax_autooverlap.ops import ag_matmul, matmul_rs
 from jax_autooverlap.rewrite import Match, Report
-from jax_autooverlap.tuning import OverlapConfig
+from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
 __all__ = ["jit", "explain", "AutoOverlapJit", "ag_matmul", "matmul_rs", "OverlapConfig",
-           "Match", "Report"]
+           "KernelConfig", "Match", "Report"]
 __version__ = "0.1.0"

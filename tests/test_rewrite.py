@@ -332,3 +332,10 @@ def test_decorator_forms():
   assert_close(g(*args), want, np.float32)
   with pytest.raises(TypeError, match="callable"):
     ao.jit(3)
+
+
+def test_no_collectives_at_all_says_so():
+  report = ao.explain(lambda x, w: jnp.tanh(x @ w), jnp.ones((4, 8)), jnp.ones((8, 2)))
+  assert not report.matches and "no collectives found" in str(report), str(report)
+  assert "partitioner" not in str(report)
+  assert ao.KernelConfig is __import__("jax_autooverlap").tuning.config.KernelConfig

@@ -88,7 +88,11 @@ class OverlapConfig:
     NVIDIA GPUs the Triton kernel where the tuner says it beats the unfused
     program, else the unfused program), "reference" forces the chunked
     ppermute ring, "unfused" the plain collective + dot_general program,
-    "triton" the GPU kernel (an error where it cannot run).
+    "triton" the GPU kernel.  Where the kernel cannot run (no NVIDIA GPU, a
+    shape, dtype or form it does not cover, a group spanning hosts) a direct
+    `ag_matmul` / `matmul_rs` call raises ValueError saying why, and `ao.jit`
+    leaves that match as written: the plain collective and matmul run, and
+    `ao.explain` lists the row as skipped with the reason.
   chunks: pieces each shard is split into by the reference ring (>= 1).
   kernel: explicit GPU kernel config (else the tuner's).
   timeout_s: bound on every cross-GPU wait of the kernels.

@@ -40,6 +40,8 @@ def survey(closed_jaxpr) -> list[str]:
   looked = (f"looked at {seen['dots']} dot_general(s) outside shard_map (mesh axes: "
             f"{', '.join(axes.values()) or 'none'}) and {seen['smaps']} shard_map bodies "
             f"({seen['collectives']} collectives inside)")
+  if not seen["smaps"] and not axes:
+    return [looked, "no collectives found: the program has no shard_map and no sharded values"]
   notes = [looked, "no shard_map or explicit-sharding collective found next to a matmul"]
   if "Explicit" in kinds and "Auto" not in kinds:
     notes.append("the Explicit axes' shardings imply no all-gather or reduce-scatter next to a "
