@@ -98,23 +98,6 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   # float32 has no Gluon path: skipped with the tuner's reason
   assert list(lb.kernel_configs(lb.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
                                 ["tl", "gluon"])) == ["tl"]
-  # a num_comm override (diagnostic) replaces the tuner's, nothing else
-  over = lb.kernel_configs(case, "NVIDIA H200", ["gluon"], num_comm=3)["gluon"]
-  assert over.num_comm == 3 and over.chunks == picked.chunks
-  # --gluon-override (an experiment) changes the gluon engine's config only
-  exp = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"],
-                          gluon_override=lb.parse_override("num_stages=2,group_m=4"))
-  assert (exp["gluon"].num_stages, exp["gluon"].group_m) == (2, 4)
-  assert exp["tl"] == cfgs["tl"] and exp["gluon"].chunks == picked.chunks
-
-
-def test_gluon_override_names_kernel_config_fields():
-  import argparse
-  assert lb.parse_override("") == {}
-  assert lb.parse_override("num_stages=4,group_m=2") == {"num_stages": 4, "group_m": 2}
-  for bad in ("stages=4", "num_stages=four", "engine=1"):
-    with pytest.raises(argparse.ArgumentTypeError, match="expected name=integer"):
-      lb.parse_override(bad)
 
 
 def test_table_and_records():
@@ -137,9 +120,9 @@ def test_table_and_records():
 def test_parse_args_requires_loopback_flag():
   args = lb.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
   assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
-  assert (args.num_comm, args.tag) == (None, "")
-  args = lb.parse_args(["ag", "--loopback", "--num-comm", "4", "--tag", "_c4", "--diag", "3"])
-  assert (args.num_comm, args.tag, args.diag) == (4, "_c4", 3)
+  assert (args.tag, args.trace) == ("", False)
+  args = lb.parse_args(["ag", "--loopback", "--tag", "_c4", "--trace"])
+  assert (args.tag, args.trace) == ("_c4", True)
   with pytest.raises(SystemExit):
     lb.parse_args(["ag"])
 
@@ -204,15 +187,8 @@ def test_engine_benchmark_table_and_config_names(capsys):
   table = engine.format_table(recs, ["coop-128x256-s3", "coop-128x128-s4"])
   row = table.splitlines()[-1].split()
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
-  import inspect
-  from jax_autooverlap.tuning.config import KernelConfig
-  for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
-    fields = dict(fields)
-    if fields.pop("cluster", False):
-      inspect.signature(engine._cluster_program).bind(132, **fields)
-    else:
-      fields.pop("setup_fence", None)  # launch_gemm's argument
-      KernelConfig(engine="gluon", **fields)
+  for fields in engine.CONFIGS.values():  # every named config is a Gluon KernelConfig
+    KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err

@@ -22,30 +22,11 @@ import sys
 # (M, K, N) of one GPU: AG's [M, K] @ [K, N/2] and RS's [M, K/2] @ [K/2, N] of the reference shapes
 DEFAULT_SHAPES = ["4096x8192x4096", "16384x8192x4096", "16384x8192x14336", "8192x4096x2048",
                   "4096x4096x8192", "16384x4096x8192", "16384x4096x28672", "8192x2048x4096"]
-# name -> KernelConfig fields (engine="gluon"); the ping-pong schedule measured on 2026-12-01
-# (bench/NOTES.md) was not kept
+# name -> KernelConfig fields (engine="gluon").  The other schedules and variants measured
+# against these (ping-pong, clusters, stream-K, ...) and why they left: docs/NOTES.md
 CONFIGS = {
     "coop-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
     "coop-128x128-s4": dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
-    # the two consumer warpgroups as two partitions (kernels/gluon_gemm_wg.py, an experiment)
-    "wg-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                          wg_partitions=True),
-    # 2-CTA clusters, B multicast, ping-pong warpgroups with a block_m x block_n tile each
-    # (kernels/gluon_gemm_mc.py, an experiment; triton >= 3.7)
-    "mc-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True),
-    "mc-128x128-s4": dict(block_m=128, block_n=128, num_stages=4, cluster=True),
-    "mc-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True),
-    # the same kernel and schedule without clusters (each CTA loads its own B): the baseline
-    "pp-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1),
-    "pp-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True, ctas=1),
-    # one proxy fence before warp_specialize instead of one per k-block in each loop
-    # (gluon_engine.setup_fence, an experiment)
-    "coop-128x256-s3-fence": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                  setup_fence=True),
-    "mc-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True,
-                                setup_fence=True),
-    "pp-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1,
-                                setup_fence=True),
 }
 MAX_REL_ERR = 2e-2
 
@@ -74,14 +55,7 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
   errors = {}
   for name, fields in configs.items():
     try:
-      fields = dict(fields)
-      if fields.pop("cluster", False):
-        program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
-      else:
-        setup_fence = fields.pop("setup_fence", False)  # launch_gemm's, not KernelConfig's
-        cfg = KernelConfig(engine="gluon", **fields)
-        program = lb.engine_program(cfg, num_sms, setup_fence=setup_fence)
-        kernel_name = "gluon_gemm_wg_kernel" if cfg.wg_partitions else "gluon_gemm_kernel"
+      program = lb.engine_program(KernelConfig(engine="gluon", **fields), num_sms)
       # checked on operands of its own: XLA may hand a contestant the freed output buffer of
       # the one before, which holds the right product of shared operands even if nothing
       # is written (seen with a diagnostic kernel that skipped its stores)
@@ -93,22 +67,12 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
     ok = errors[name] <= MAX_REL_ERR
     _log(f"{m}x{k}x{n} {name}: rel. error {errors[name]:.2e} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[name] = (program, (a, b), (kernel_name,))
+      contestants[name] = (program, (a, b), ("gluon_gemm_kernel",))
   with lb._ClockSampler() as clocks:
     timed = lb.time_interleaved(contestants, rounds, calls)
   return [{"impl": "gemm_alone" if name == "gemm_alone" else "engine_alone", "config": name,
            "kernel": configs.get(name, {}), "rel_err": errors.get(name), "median_ms": round(ms, 4),
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
-
-
-def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, ctas: int = 2,
-                     setup_fence: bool = False):
-  import jax
-  from jax_autooverlap.backends.gluon import launch_gemm_cluster
-  return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
-                                                  stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms, ctas=ctas,
-                                                  setup_fence=setup_fence))
 
 
 def format_table(records: list[dict], names) -> str:

@@ -200,16 +200,15 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False, setup_fence: bool = False):
+                   trace: bool = False):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline); setup_fence: backends/gluon.launch_gemm's)."""
+  (trace: (a @ b, the per-tile timeline))."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
     return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
-                       compute_capability=compute_capability, trace=trace,
-                       setup_fence=setup_fence)
+                       compute_capability=compute_capability, trace=trace)
   return jax.jit(run)
 
 
@@ -434,11 +433,9 @@ def time_interleaved(contestants: dict, rounds: int, calls: int) -> dict:
 
 # --- the benchmark ------------------------------------------------------------------------------
 
-def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None = None,
-                   gluon_override: dict | None = None) -> dict:
+def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
-  verdict, else the default), with each engine (num_comm: override, a diagnostic;
-  gluon_override: KernelConfig fields replaced in the gluon engine's config, an experiment)."""
+  verdict, else the default), with each engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype = _np_dtype(case.dtype)
@@ -449,13 +446,10 @@ def kernel_configs(case: Case, device_kind: str, engines, num_comm: int | None =
     v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
                          dtype, dtype)
   base = v.kernel or select.default_kernel(dtype)
-  if num_comm is not None:
-    base = dataclasses.replace(base, num_comm=num_comm)
   out = {}
   for engine in engines:
     try:
-      cfg = dataclasses.replace(base, engine=engine,
-                                **((gluon_override or {}) if engine == "gluon" else {}))
+      cfg = dataclasses.replace(base, engine=engine)
     except ValueError as e:  # the tuner's tiles do not fit this engine
       _log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
@@ -476,16 +470,14 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
   return (f"gluon_{op}_gemm_kernel",) if op == "ag" else ("gluon_gemm_rs_kernel",)
 
 
-def bench_case(case: Case, device, engines, rounds: int, calls: int,
-               num_comm: int | None = None, diag: int = 0,
-               gluon_override: dict | None = None) -> list[dict]:
+def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
   """Records of one case: gemm_alone, ours_tl, engine_alone and ours (the fastest of the fused
   variants autotuning times: each engine, and for GEMM+RS the Gluon engine with a consumer
   partition per warpgroup too)."""
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  configs = kernel_configs(case, device.device_kind, engines, num_comm, gluon_override)
+  configs = kernel_configs(case, device.device_kind, engines)
   contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
   if "gluon" in configs:
     contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
@@ -502,8 +494,6 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
       continue
     ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
           and checks[engine]["bit_identical_repeat"])
-    if diag and engine == "gluon":  # parts switched off: timed whatever the result
-      checks[engine]["diag"], ok = diag, True
     _log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
          f"{'ok' if ok else 'WRONG, not timed'}")
     if ok:
@@ -528,8 +518,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int,
           for impl, (ms, info), extra in records]
 
 
-def trace_case(case: Case, device, calls: int = 3,
-               gluon_override: dict | None = None) -> tuple[dict, dict]:
+def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
   """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
   Gluon kernel on this case (the config bench_case times): the timeline of the last of `calls`
   calls (bench/timeline.py)."""
@@ -538,8 +527,7 @@ def trace_case(case: Case, device, calls: int = 3,
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  cfg = kernel_configs(case, device.device_kind, ["gluon"],
-                       gluon_override=gluon_override).get("gluon")
+  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
   if cfg is None:
     return {}, {}
   rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
@@ -587,21 +575,6 @@ def format_table(op: str, records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def parse_override(text: str) -> dict:
-  """'name=int,...' -> {name: int}, names checked against KernelConfig's integer fields."""
-  from jax_autooverlap.tuning.config import KernelConfig
-  known = {f.name for f in dataclasses.fields(KernelConfig)
-           if f.name not in ("engine", "wg_partitions")}  # timed with and without (rs)
-  out = {}
-  for item in filter(None, text.split(",")):
-    name, _, value = item.partition("=")
-    if name not in known or not value.lstrip("-").isdigit():
-      raise argparse.ArgumentTypeError(
-          f"{item!r}: expected name=integer with name one of {sorted(known)}")
-    out[name] = int(value)
-  return out
-
-
 def parse_args(argv):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench OP --loopback")
   ap.add_argument("op", choices=["ag", "rs"])
@@ -612,14 +585,6 @@ def parse_args(argv):
                   help="fused-kernel engines to time, comma-separated: tl, gluon")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
-  ap.add_argument("--num-comm", type=int, default=None,
-                  help="diagnostic: CTAs that push (ag) instead of the tuner's choice")
-  ap.add_argument("--diag", type=int, default=0,
-                  help="diagnostic: AO_GLUON_DIAG bits for the Gluon kernel (backends/gluon.py); "
-                       "timed even where the result is wrong")
-  ap.add_argument("--gluon-override", default="", type=parse_override,
-                  help="experiment: KernelConfig fields of the gluon engine's config, e.g. "
-                       "num_stages=2,group_m=4 (the engine-alone contestant takes them too)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
@@ -630,9 +595,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  if args.diag:
-    import os
-    os.environ["AO_GLUON_DIAG"] = str(args.diag)
   cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype) for s in args.shapes.split(",")]
   import jax
   from jax_autooverlap.bench.__main__ import _versions
@@ -649,13 +611,12 @@ def main(argv=None) -> int:
   records, timelines, raw_traces = [], [], {}
   for case in cases:
     _log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
-    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, args.num_comm, args.diag,
-                        args.gluon_override):
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
     if args.trace and "gluon" in engines:
-      summaries, raw = trace_case(case, gpus[0], gluon_override=args.gluon_override)
+      summaries, raw = trace_case(case, gpus[0])
       for impl, summary in summaries.items():
         timelines.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "impl": impl,
                           **summary, "gpu": gpu, "versions": versions, "date": date})
