@@ -12,7 +12,7 @@ import unittest.mock
 
 import pytest
 
-from jax_autooverlap.bench import model
+from jax_autooverlap.bench.model import cli, llama, runner
 
 RECORD_KEYS = {"bench", "model", "tokens", "world_size", "impl", "step_ms", "tokens_per_s", "mfu",
                "loss", "fused", "skipped", "versions", "gpu", "variant", "mesh", "layers", "seq",
@@ -24,7 +24,7 @@ def smoke(tmp_path_factory):
   """One --smoke run (both variants, all three implementations): (rc, stdout, records, path)."""
   out = tmp_path_factory.mktemp("model-results")
   with unittest.mock.patch("sys.stdout", new_callable=__import__("io").StringIO) as stdout:
-    rc = model.main(["--smoke", "--out", str(out)])
+    rc = cli.main(["--smoke", "--out", str(out)])
   paths = sorted(out.glob("*-model.json"))
   assert len(paths) == 1, paths
   return rc, stdout.getvalue(), json.loads(paths[0].read_text()), paths[0]
@@ -39,7 +39,7 @@ def test_smoke_tensor_parallel_trains_identically_under_every_impl(smoke):
   assert rc == 0, stdout
   assert path.name.startswith("cpu-x8-") and path.name.endswith("-model.json")
   rows = _rows(records, "tp")
-  assert set(rows) == set(model.IMPLS)
+  assert set(rows) == set(runner.IMPLS)
   ref = rows["jax.jit"]
   assert "error" not in ref, ref.get("error")
   assert len(ref["loss"]) == 2 and all(math.isfinite(v) and v > 0 for v in ref["loss"])
@@ -68,7 +68,7 @@ def test_smoke_fsdp_variant_runs_or_is_an_error_row(smoke):
   run goes on; the jax.jit variants always train."""
   _, _, records, _ = smoke
   rows = _rows(records, "fsdp")
-  assert set(rows) == set(model.IMPLS)
+  assert set(rows) == set(runner.IMPLS)
   for impl in ("jax.jit", "jax.jit+xla_overlap"):
     assert "error" not in rows[impl], rows[impl].get("error")
     assert rows[impl]["mesh"] == "fsdp=2,tp=4"
@@ -86,7 +86,7 @@ def test_smoke_prints_table_last_and_says_cpu_shows_no_gains(smoke):
   assert lines[-1] == f"wrote {path}"
   assert any(line.split()[:3] == ["tiny", "256", "tp"] and "ao.jit" in line for line in lines)
   assert "CPU timings show no overlap gains" in stdout
-  assert all(r.get("note") == model.CPU_NOTE for r in records)
+  assert all(r.get("note") == cli.CPU_NOTE for r in records)
 
 
 def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, capsys):
@@ -116,7 +116,7 @@ def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, cap
 
 def test_xla_flags_through_a_child_process(tmp_path, capsys):
   """Flags XLA does not take as compiler options go to a child process's XLA_FLAGS."""
-  rc = model.main(["--smoke", "--variants", "tp", "--impls", "jax.jit,jax.jit+xla_overlap",
+  rc = cli.main(["--smoke", "--variants", "tp", "--impls", "jax.jit,jax.jit+xla_overlap",
                    "--steps", "1", "--xla-flags-via", "env", "--out", str(tmp_path),
                    "--tag", "child"])
   assert rc == 0
@@ -133,7 +133,7 @@ def test_loss_check_flags_disagreement():
   far = {"loss": [2.0, 1.5], "all_finite": True}
   nan = {"loss": [2.0, 1.9], "all_finite": False}
   for rec, agrees in ((close, True), (far, False), (nan, False)):
-    model._loss_check(rec, ref, 2e-2)
+    runner.loss_check(rec, ref, 2e-2)
     assert rec["loss_agrees"] is agrees, rec
   assert far["loss_rel_diff"] == pytest.approx(0.4 / 1.9, rel=1e-2)
 
@@ -142,32 +142,32 @@ def test_llama_layer_sizes_match_the_published_models():
   """Llama-3 8B / 70B: 8.03e9 / 70.6e9 parameters, of which the 128256-token embedding and
   LM head are 2 x 128256 x hidden; the rest is 32 / 80 layers (+ a final norm)."""
   for name, total in (("llama3-8b", 8.03e9), ("llama3-70b", 70.55e9)):
-    d = model.MODELS[name]
+    d = llama.MODELS[name]
     layers = total - 2 * 128256 * d.hidden
-    assert d.max_layers * model.layer_param_count(d) == pytest.approx(layers, rel=5e-3)
+    assert d.max_layers * llama.layer_param_count(d) == pytest.approx(layers, rel=5e-3)
 
 
 def test_model_flops_and_default_depth():
-  d = model.MODELS["llama3-70b"]
-  c = model.make_config(d, 10, 8192, 4096, "tp", 2, 2)
-  n = 10 * (model.layer_param_count(d) - 2 * d.hidden)
+  d = llama.MODELS["llama3-70b"]
+  c = llama.make_config(d, 10, 8192, 4096, "tp", 2, 2)
+  n = 10 * (llama.layer_param_count(d) - 2 * d.hidden)
   attn = 3 * 10 * 2 * c.batch * 4096**2 * d.heads * d.head_dim
-  assert model.model_flops_per_step(c) == pytest.approx(6 * n * 8192 + attn)
-  fit = model.layers_that_fit(c, 0.9 * 141e9, "cudnn")
+  assert llama.model_flops_per_step(c) == pytest.approx(6 * n * 8192 + attn)
+  fit = llama.layers_that_fit(c, 0.9 * 141e9, "cudnn")
   assert 1 <= fit < d.max_layers  # 70B does not fit on 2 GPUs whole
-  assert model.memory_estimate_bytes(c, fit, "cudnn") <= 0.9 * 141e9
-  assert model.memory_estimate_bytes(c, fit + 1, "cudnn") > 0.9 * 141e9
-  assert model.layers_that_fit(c, 1e15, "cudnn") == d.max_layers
+  assert llama.memory_estimate_bytes(c, fit, "cudnn") <= 0.9 * 141e9
+  assert llama.memory_estimate_bytes(c, fit + 1, "cudnn") > 0.9 * 141e9
+  assert llama.layers_that_fit(c, 1e15, "cudnn") == d.max_layers
   # sharding over more devices fits more layers
-  c8 = model.make_config(d, 10, 8192, 4096, "tp", 8, 2)
-  assert model.layers_that_fit(c8, 0.9 * 141e9, "cudnn") > fit
+  c8 = llama.make_config(d, 10, 8192, 4096, "tp", 8, 2)
+  assert llama.layers_that_fit(c8, 0.9 * 141e9, "cudnn") > fit
 
 
 def test_configs_that_cannot_be_built_say_why():
-  d = model.MODELS["llama3-8b"]
+  d = llama.MODELS["llama3-8b"]
   with pytest.raises(ValueError, match=r"kv_heads=8 is not divisible by tp=16"):
-    model.make_config(d, 1, 4096, 4096, "tp", 16, 2)
+    llama.make_config(d, 1, 4096, 4096, "tp", 16, 2)
   with pytest.raises(ValueError, match=r"world size 6 is not divisible by fsdp=4"):
-    model.make_config(d, 1, 4096, 4096, "fsdp", 6, 4)
-  c = model.make_config(d, 1, 4096, 4096, "fsdp", 8, 2)  # batch 1 -> two 2048-token sequences
+    llama.make_config(d, 1, 4096, 4096, "fsdp", 6, 4)
+  c = llama.make_config(d, 1, 4096, 4096, "fsdp", 8, 2)  # batch 1 -> two 2048-token sequences
   assert (c.seq, c.batch, c.tp, c.fsdp) == (2048, 2, 4, 2)

@@ -2,8 +2,8 @@
 
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
     python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
-    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
-    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback.py)
+    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model/)
+    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback/)
 
 For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
@@ -25,38 +25,18 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
-import time
+
+from jax_autooverlap.bench import common
+from jax_autooverlap.tuning.autotune import time_call
 
 DEFAULT_SHAPES = ["4096x8192x8192", "16384x8192x8192", "16384x8192x28672", "8192x4096x4096",
                   "512x8192x8192", "2048x8192x8192"]
+BATCHES = 5  # per-call time of a batch of back-to-back calls, median of BATCHES batches
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
-
-
-def _log(msg):
-  print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _time_ms(fn, arg_sets, iters: int, batches: int = 5) -> float:
-  """ms per call of back-to-back calls: the verdicts' measure (shared with autotuning)."""
-  from jax_autooverlap.tuning.autotune import time_call
-  return time_call(fn, arg_sets, iters, batches)
-
-
-def _versions():
-  import jax
-  import jaxlib
-  from jax_autooverlap._compat import import_jax_triton  # never import jax_triton unshimmed
-  out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
-  try:
-    out["jax_triton"] = import_jax_triton().__version__
-    out["triton"] = __import__("triton").__version__
-  except Exception as e:  # noqa: BLE001
-    out["jax_triton"] = f"unavailable ({type(e).__name__}: {e})"
-  return out
+log = common.logger("bench")
 
 
 def _inputs(mesh, m, k, n, dtype, x_spec=None, w_spec=None, seed=100, sets=3):
@@ -87,16 +67,16 @@ def _best_of(program, arg_sets, want, iters, sweep):
     fused = ao.jit(program, overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
     try:
       got = fused(*arg_sets[0])
-      err = _rel_err(got, want)
+      err = common.rel_err(got, want)
       repeat = bool(np.array_equal(np.asarray(got), np.asarray(fused(*arg_sets[0]))))
-      t = _time_ms(fused, arg_sets, iters)
+      t = time_call(fused, arg_sets, iters, batches=BATCHES)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+      log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
-    _log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
+    log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
          f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
     if err > 2e-2 or not repeat:
-      _log("  -> wrong or non-deterministic result, not counted")
+      log("  -> wrong or non-deterministic result, not counted")
       continue
     if best is None or t < best[0]:
       best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
@@ -109,8 +89,8 @@ def _unfused_and_ours(program, arg_sets, iters, sweep, label):
   import jax
   unfused = jax.jit(program)
   want = unfused(*arg_sets[0])
-  res = {"unfused": (_time_ms(unfused, arg_sets, iters), {})}
-  _log(f"{label} unfused {res['unfused'][0]:.3f} ms")
+  res = {"unfused": (time_call(unfused, arg_sets, iters, batches=BATCHES), {})}
+  log(f"{label} unfused {res['unfused'][0]:.3f} ms")
   best = _best_of(program, arg_sets, want, iters, sweep)
   if best is not None:
     res["ours"] = best
@@ -123,7 +103,7 @@ def _transfer_alone(gpus, nbytes: int, iters: int):
   import jax.numpy as jnp
   src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
   move = lambda a: jax.device_put(a, gpus[0])
-  return _time_ms(move, [(a,) for a in src], iters), {"bytes": nbytes}
+  return time_call(move, [(a,) for a in src], iters, batches=BATCHES), {"bytes": nbytes}
 
 
 def _gpu_mesh():
@@ -132,12 +112,6 @@ def _gpu_mesh():
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   return gpus, jax.make_mesh((len(gpus),), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=gpus)
-
-
-def _rel_err(a, b):
-  import numpy as np
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
@@ -159,7 +133,7 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   xg = jax.device_put(arg_sets[0][0], NamedSharding(mesh, P()))
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P(None, "x")),
                                out_specs=out_spec))
-  res["gemm_alone"] = (_time_ms(gemm, [(xg, s[1]) for s in arg_sets], iters), {})
+  res["gemm_alone"] = (time_call(gemm, [(xg, s[1]) for s in arg_sets], iters, batches=BATCHES), {})
   # remote bytes of one device: (world-1) shards of [M/world, K]
   res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * k * dtype.itemsize,
                                           iters)
@@ -182,17 +156,17 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
               lambda x, w, cfg=cfg: cm.all_gather_lhs_matmul(x, w, "x", config=cfg, dtype=dtype),
               out_specs=P(None, "x"), check_vma=False))
           try:
-            t = _time_ms(f, p_sets, iters)
-            err = _rel_err(f(*p_sets[0]), want)
+            t = time_call(f, p_sets, iters, batches=BATCHES)
+            err = common.rel_err(f(*p_sets[0]), want)
           except Exception as e:  # noqa: BLE001
-            _log(f"  pallas_mgpu config failed: {type(e).__name__}: {str(e)[:200]}")
+            log(f"  pallas_mgpu config failed: {type(e).__name__}: {str(e)[:200]}")
             continue
           if err < 2e-2 and (best_p is None or t < best_p[0]):
             best_p = (t, {"rel_err": err, "wg_dimension": str(wg)})
       if best_p:
         res["pallas_mgpu"] = best_p
     except Exception as e:  # noqa: BLE001
-      _log(f"  pallas_mgpu unavailable: {type(e).__name__}: {str(e)[:200]}")
+      log(f"  pallas_mgpu unavailable: {type(e).__name__}: {str(e)[:200]}")
   return world, res
 
 
@@ -212,7 +186,7 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   res, _ = _unfused_and_ours(jax.shard_map(rs, **kw), arg_sets, iters, kernel_sweep,
                              f"rs {m}x{k}x{n}")
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, **kw))  # the partial product, summed by RS
-  res["gemm_alone"] = (_time_ms(gemm, arg_sets, iters), {})
+  res["gemm_alone"] = (time_call(gemm, arg_sets, iters, batches=BATCHES), {})
   # remote bytes of one device: (world-1) partial slots of [M/world, N]
   res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * n * dtype.itemsize,
                                           iters)
@@ -232,7 +206,7 @@ def bench_windowed(m, k, n, dtype_name, iters, op="ag"):
     f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("x")))
   else:
     f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(None, "x")))
-  return _time_ms(f, arg_sets, iters)
+  return time_call(f, arg_sets, iters, batches=BATCHES)
 
 
 def _write_tuning_cache(path, records, dtype, op):
@@ -263,12 +237,7 @@ def _merge_into_user_cache(new_path, op):
   cache = json.loads(path.read_text()) if path.exists() else {}
   cache.update(json.loads(new_path.read_text()))
   path.write_text(json.dumps(cache, indent=1, sort_keys=True))
-  _log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
-
-
-def _gpu_name():
-  import jax
-  return jax.devices()[0].device_kind.replace(" ", "-")
+  log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
 
 
 # AG+GEMM (chunks, movers) per engine: tl movers are CTAs of their own (they compute only after
@@ -286,7 +255,7 @@ def main(argv=None):
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])
-  if "--loopback" in argv:  # one GPU: bench/loopback.py
+  if "--loopback" in argv:  # one GPU: bench/loopback/
     from jax_autooverlap.bench import loopback
     return loopback.main(argv)
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
@@ -329,10 +298,10 @@ def main(argv=None):
   rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "engine": e})
               for e in engines for c in (4, 16)]
   date = datetime.date.today().isoformat()
-  gpu, versions = _gpu_name(), _versions()
+  gpu, versions = common.gpu_name(), common.versions()
   records, windowed = [], {}
   if not args.no_rivals:
-    _log("xla_windowed (separate process)")
+    log("xla_windowed (separate process)")
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS))
     proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", args.op, "--windowed-only",
                            "--shapes", args.shapes, "--dtype", args.dtype, "--iters",
@@ -340,7 +309,7 @@ def main(argv=None):
     if proc.returncode == 0:
       windowed = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
-      _log(f"xla_windowed failed: {proc.stderr[-500:]}")
+      log(f"xla_windowed failed: {proc.stderr[-500:]}")
   rows = []
   for m, k, n in shapes:
     if args.op == "ag":
