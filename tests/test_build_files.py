@@ -122,7 +122,8 @@ def test_build_names_every_dependency_and_the_lock_pins_them():
   # every package BUILD names is pinned, at a version pyproject.toml allows
   assert sorted(named - set(lock)) == []
   for r in wanted:
-    assert r.specifier.contains(lock[_name(r.name)], prereleases=True), (str(r), lock[_name(r.name)])
+    pinned = lock[_name(r.name)]
+    assert r.specifier.contains(pinned, prereleases=True), (str(r), pinned)
 
 
 def test_module_bazel_defines_the_pypi_hub_from_the_lock_on_python_312():
