@@ -74,7 +74,7 @@ def _best_of(program, arg_sets, want, iters, sweep):
       log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
     log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
-         f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
+        f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
     if err > 2e-2 or not repeat:
       log("  -> wrong or non-deterministic result, not counted")
       continue

@@ -82,7 +82,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
     ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
           and checks[engine]["bit_identical_repeat"])
     log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
-         f"{'ok' if ok else 'WRONG, not timed'}")
+        f"{'ok' if ok else 'WRONG, not timed'}")
     if ok:
       contestants[engine] = (program, lb.fused_args(),
                              kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))

@@ -61,7 +61,7 @@ def run_impl(c: RunConfig, impl: str, args, devices, xla_options: dict) -> dict:
     fn = ao.jit(step, **kw)
     extra.update(_explain_counts(fn, params, opt_state, batches[0]))
     log(f"  ao.explain: {extra['fused']} fused {extra['fused_impls']}, "
-         f"{extra['skipped']} skipped {extra['skip_reasons']}")
+        f"{extra['skipped']} skipped {extra['skip_reasons']}")
   else:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
