@@ -7,12 +7,17 @@ depth and MFU are computed from.
 """
 import json
 import math
+import os
+import pathlib
+import subprocess
 import sys
 import unittest.mock
 
 import pytest
 
 from jax_autooverlap.bench.model import cli, llama, runner
+
+ROOT = pathlib.Path(__file__).parents[1]
 
 RECORD_KEYS = {"bench", "model", "tokens", "world_size", "impl", "step_ms", "tokens_per_s", "mfu",
                "loss", "fused", "skipped", "versions", "gpu", "variant", "mesh", "layers", "seq",
@@ -91,8 +96,7 @@ def test_smoke_prints_table_last_and_says_cpu_shows_no_gains(smoke):
 
 def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, capsys):
   """The notebook's model-results cell reads the JSON (and says so when there is none)."""
-  nb = json.loads((__import__("pathlib").Path(__file__).parents[1] / "notebooks" /
-                   "explore.ipynb").read_text())
+  nb = json.loads((ROOT / "notebooks" / "explore.ipynb").read_text())
   cell = next("".join(c["source"]) for c in nb["cells"]
               if c["cell_type"] == "code" and "-model*.json" in "".join(c["source"]))
   monkeypatch.chdir(tmp_path)
@@ -171,3 +175,37 @@ def test_configs_that_cannot_be_built_say_why():
     llama.make_config(d, 1, 4096, 4096, "fsdp", 6, 4)
   c = llama.make_config(d, 1, 4096, 4096, "fsdp", 8, 2)  # batch 1 -> two 2048-token sequences
   assert (c.seq, c.batch, c.tp, c.fsdp) == (2048, 2, 4, 2)
+
+
+def test_a_variant_that_does_not_apply_is_an_na_row_and_smoke_output_stays_out_of_the_repo(
+    tmp_path, monkeypatch, capsys):
+  """fsdp=3 cannot split 8 devices: an "n/a" row with the reason, not an ERROR; without --out a
+  --smoke run writes into a new temporary directory, not bench/results/."""
+  import tempfile
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  assert cli.main(["--smoke", "--variants", "fsdp", "--fsdp", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "ERROR" not in out
+  assert "n/a [1]" in out and "n/a: fsdp: world size 8 is not divisible by fsdp=3" in out
+  path = pathlib.Path(out.strip().splitlines()[-1].removeprefix("wrote "))
+  assert path.parent.parent == tmp_path / "tmp" and not (tmp_path / "bench").exists()
+  (rec,) = json.loads(path.read_text())
+  assert rec["not_applicable"] == "fsdp: world size 8 is not divisible by fsdp=3"
+  assert "error" not in rec
+
+
+def test_smoke_sets_up_eight_cpu_devices_itself(tmp_path):
+  """`python -m jax_autooverlap.bench model --smoke` without XLA_FLAGS: 8 virtual CPU devices,
+  as the demo has (one device would leave nothing to shard)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", "model", "--smoke",
+                         "--variants", "tp", "--impls", "jax.jit", "--steps", "1", "--warmup", "0",
+                         "--loss-steps", "1", "--out", str(tmp_path)],
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  (path,) = tmp_path.glob("cpu-x8-*-model.json")
+  (rec,) = json.loads(path.read_text())
+  assert rec["world_size"] == 8 and rec["mesh"] == "tp=8" and "error" not in rec

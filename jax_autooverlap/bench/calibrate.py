@@ -29,6 +29,7 @@ import itertools
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 from jax_autooverlap.bench import common
@@ -98,7 +99,7 @@ def gemm_sweep(device, grid, dtype, max_flop=MAX_GEMM_FLOP, time_limit_s=None):
     ms = time_call(dot, list(zip(a, b)))
     out.append((m, n, k, ms))
     log(f"gemm {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms, "
-         f"{2.0 * m * n * k / (ms * 1e9):.0f} TFLOP/s")
+        f"{2.0 * m * n * k / (ms * 1e9):.0f} TFLOP/s")
   return out
 
 
@@ -197,7 +198,7 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
         ms = time_call(fused, sets)
       except Exception as e:  # noqa: BLE001 - report, keep calibrating
         log(f"{op} {m}x{k}x{n} chunks={chunks} movers={movers} failed: {type(e).__name__}: "
-             f"{str(e)[:300]}")
+            f"{str(e)[:300]}")
         continue
       rec("ours", ms, kernel={f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
     config = lambda r: (f" c{r['kernel']['chunks']} m{r['kernel']['num_comm']}"
@@ -211,7 +212,9 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench calibrate")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--out", default=None,
+                  help="directory of the JSON output (default: bench/results; with --smoke a new "
+                       "temporary directory)")
   ap.add_argument("--no-cache", action="store_true", help="do not write the user's tuning cache")
   ap.add_argument("--no-kernel", action="store_true", help="skip the kernel timing on one GPU")
   ap.add_argument("--single-gpu", action="store_true", help="only the single-GPU part")
@@ -276,7 +279,8 @@ def main(argv=None):
     if not tiles:  # no kernel timing on one GPU: the tile costs come from the group fit
       params["gemm"][dtype.name]["tiles"] = fitted["gemm"][dtype.name]["tiles"]
 
-  out_dir = pathlib.Path(args.out)
+  out_dir = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="ao-bench-calibrate-smoke-")
+                                       if args.smoke else "bench/results"))
   tag = f"{kind.replace(' ', '-')}-x{world}-{date}"
   path = out_dir / f"calibration-{tag}{'-smoke' if args.smoke else ''}.json"
   select.write_json_atomic(path, {**params, "measurements": {

@@ -21,6 +21,7 @@ import datetime
 import json
 import pathlib
 import sys
+import tempfile
 
 from jax_autooverlap.bench import common
 
@@ -57,7 +58,9 @@ def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench.gemm_check")
   ap.add_argument("--params", help="calibration JSON (default: this GPU kind's cached/shipped)")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--out", default=None,
+                  help="directory of the JSON output (default: bench/results; with --smoke a new "
+                       "temporary directory)")
   ap.add_argument("--kernel", action="store_true", help="also the kernel on one GPU (8k tokens)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, a CPU device allowed (tests)")
   args = ap.parse_args(argv)
@@ -126,7 +129,9 @@ def main(argv=None):
   for r in kernel_rows:
     print(f"kernel {r['tile']} {r['m']}x{r['n']}x{r['k']}: {r['kernel_ms']:.4f} ms, model "
           f"{r['model_ms']:.4f} ms ({r['error'] * 100:+.1f} %)")
-  out = pathlib.Path(args.out) / f"gemm-check-{kind.replace(' ', '-')}-{datetime.date.today()}.json"
+  out_dir = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="ao-bench-gemm-check-smoke-")
+                                       if args.smoke else "bench/results"))
+  out = out_dir / f"gemm-check-{kind.replace(' ', '-')}-{datetime.date.today()}.json"
   select.write_json_atomic(out, {"device_kind": kind, "dtype": dtype.name,
                                  "params_source": part.get("source"), "tolerance": TOLERANCE,
                                  "within": within, "checked": len(checked), "cublas": rows,

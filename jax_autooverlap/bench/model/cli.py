@@ -11,7 +11,14 @@ initial parameters: `jax.jit`, `jax.jit` with XLA's overlap flags (xla_flags.py)
 time (runner.py); step time is the median of the timed steps.  The losses of the
 first steps must agree with jax.jit's to bf16 tolerance (checked, flagged, exit
 status 1 otherwise).  A configuration or implementation that fails is recorded
-as an error row; the run goes on.
+as an error row; one that does not apply (the mesh or the dims cannot be split
+as the variant asks, or not one layer fits the memory) as an "n/a" row with the
+reason (field `not_applicable`); the run goes on.
+
+Without a GPU it runs on 8 virtual CPU devices (unless XLA_FLAGS sets a count);
+`--smoke` runs a tiny model there in seconds and writes into a new temporary
+directory unless --out names one: CPU timings show no overlap, so they stay out of
+bench/results/.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import math
 import os
 import pathlib
 import sys
+import tempfile
 
 from jax_autooverlap.bench import common
 from jax_autooverlap.bench.model.llama import (MODELS, RunConfig, attention_impl, layers_that_fit,
@@ -37,6 +45,15 @@ log = common.logger("model")
 H100_H200_BF16_DENSE_TFLOPS = 989.0  # the spec-sheet dense bf16 peak of both (SXM)
 CPU_NOTE = ("CPU timings show no overlap gains (virtual CPU devices share the host's cores; "
             "collectives are memory copies): this run checks that everything runs and agrees")
+
+
+def _cpu_devices():
+  """8 virtual CPU devices where XLA_FLAGS sets no count (as the demo does): a device count of 1
+  would leave nothing to shard.  Only the CPU platform reads the flag, and only when JAX starts
+  its backends, so this runs before anything asks JAX for a device."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
 def _parser():
@@ -93,7 +110,9 @@ def _parser():
                   help="per-device dense bf16 peak for MFU; default 989 on H100/H200 (spec "
                        "sheet), none (no MFU) elsewhere")
   ap.add_argument("--seed", type=int, default=0, help="seed of parameters and inputs")
-  ap.add_argument("--out", default="bench/results", help="directory of the JSON file")
+  ap.add_argument("--out", default=None,
+                  help="directory of the JSON file (default: bench/results; with --smoke a new "
+                       "temporary directory)")
   ap.add_argument("--tag", default="",
                   help="file name suffix, <GPU>-x<world>-<date>-model-<tag>.json, so that runs "
                        "split over several calls on one day do not overwrite each other")
@@ -127,8 +146,8 @@ def _parse(argv):
   return args
 
 
-def _configs(args, world, budget, errors):
-  """RunConfigs to run, in order; configurations that cannot be built go to `errors`."""
+def _configs(args, world, budget, not_run):
+  """RunConfigs to run, in order; configurations that do not apply go to `not_run`, with why."""
   out = []
   for name in args.model.split(","):
     dims = MODELS[name]
@@ -139,16 +158,16 @@ def _configs(args, world, budget, errors):
           built.append(make_config(dims, args.layers or dims.max_layers, tokens, args.seq,
                                    variant, world, args.fsdp))
         except ValueError as e:
-          errors.append({"model": name, "tokens": tokens, "variant": variant,
-                         "error": f"not run: {e}"})
+          not_run.append({"model": name, "tokens": tokens, "variant": variant,
+                          "not_applicable": str(e)})
     if args.layers is None and built:
       layers = min(layers_that_fit(c, budget, args.attention_impl) for c in built)
       log(f"{name}: {layers} layers fit every configuration (estimate, "
-           f"{budget / 1e9:.0f} GB budget per device)")
+          f"{budget / 1e9:.0f} GB budget per device)")
       if layers == 0:
         for c in built:
-          errors.append({"model": name, "tokens": c.tokens, "variant": c.variant,
-                         "error": "not run: not even one layer fits the memory estimate"})
+          not_run.append({"model": name, "tokens": c.tokens, "variant": c.variant,
+                          "not_applicable": "not even one layer fits the memory estimate"})
         continue
       built = [dataclasses.replace(c, layers=layers) for c in built]
     out.extend(built)
@@ -173,14 +192,17 @@ def _table(records, platform, peak):
     if r.get("step_ms") and r["impl"] != "ao.jit":
       key = (r["model"], r["tokens"], r["variant"])
       best_jit[key] = min(best_jit.get(key, math.inf), r["step_ms"])
-  errors = []
+  notes_of_rows = []  # why a row has no time: a variant that does not apply, or an error
   for r in records:
-    if "error" in r:
-      errors.append(f"[{len(errors) + 1}] {r['model']} tokens={r['tokens']} "
-                    f"{r.get('variant', '-')} {r.get('impl') or ''}: {r['error'][:400]}")
+    why = ("n/a", r["not_applicable"]) if "not_applicable" in r else (
+        ("ERROR", r["error"]) if "error" in r else None)
+    if why:
+      notes_of_rows.append(f"[{len(notes_of_rows) + 1}] {r['model']} tokens={r['tokens']} "
+                           f"{r.get('variant', '-')} {r.get('impl') or ''}: "
+                           f"{why[0]}: {why[1][:400]}")
       rows.append((r["model"], str(r["tokens"]), r.get("variant", "-"), r.get("mesh", "-"),
-                   str(r.get("layers", "-")), r.get("impl") or "-", f"ERROR [{len(errors)}]",
-                   "", "", "", "", "", ""))
+                   str(r.get("layers", "-")), r.get("impl") or "-",
+                   f"{why[0]} [{len(notes_of_rows)}]", "", "", "", "", "", ""))
       continue
     best = best_jit.get((r["model"], r["tokens"], r["variant"]))
     vs = f"{best / r['step_ms']:.3f}x" if best else "-"
@@ -194,10 +216,11 @@ def _table(records, platform, peak):
   widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
   lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
-  notes = errors + ["vs jit: the best jax.jit variant's step time / this step time (>1: faster)",
-           f"mfu: model FLOPs (6.N.tokens + causal attention, remat not counted) / "
-           f"(step time x devices x {peak} TFLOP/s)" if peak else "mfu: no peak known for "
-           "this device (--peak-tflops)"]
+  notes = notes_of_rows + [
+      "vs jit: the best jax.jit variant's step time / this step time (>1: faster)",
+      f"mfu: model FLOPs (6.N.tokens + causal attention, remat not counted) / "
+      f"(step time x devices x {peak} TFLOP/s)" if peak else "mfu: no peak known for "
+      "this device (--peak-tflops)"]
   if platform == "cpu":
     notes.append("NOTE: " + CPU_NOTE)
   return "\n".join(lines + notes)
@@ -208,6 +231,7 @@ def main(argv=None) -> int:
   # allocator have 90% of it (its default is 75%) unless the user chose.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
   args = _parse(argv)
+  _cpu_devices()
   import jax
 
   devices = jax.devices()
@@ -237,20 +261,20 @@ def main(argv=None) -> int:
     accepted, rejected = split_compiler_options(args.xla_flag_dict)
   if "jax.jit+xla_overlap" in impls:
     log(f"XLA overlap flags as compiler options: {accepted or 'none'}; "
-         f"through XLA_FLAGS in a child process: {rejected or 'none'}")
+        f"through XLA_FLAGS in a child process: {rejected or 'none'}")
   log(f"{world} x {kind} ({platform}); attention {args.attention_impl}; "
-       f"peak {peak or '-'} TFLOP/s; {CPU_NOTE if platform == 'cpu' else ''}")
+      f"peak {peak or '-'} TFLOP/s; {CPU_NOTE if platform == 'cpu' else ''}")
 
   not_run = []
   configs = _configs(args, world, budget, not_run)
   records = [{"bench": "model", "world_size": world, "gpu": gpu, "versions": versions,
               "date": date, "impl": None, **e} for e in not_run]
   for e in not_run:
-    log(f"{e['model']} tokens={e['tokens']} {e['variant']}: {e['error']}")
+    log(f"{e['model']} tokens={e['tokens']} {e['variant']}: n/a: {e['not_applicable']}")
   for c in configs:
     log(f"{c.dims.name} tokens={c.tokens} {c.variant} ({c.mesh_desc}) layers={c.layers} "
-         f"seq={c.seq} batch={c.batch}: estimate "
-         f"{memory_estimate_bytes(c, c.layers, args.attention_impl) / 1e9:.1f} GB per device")
+        f"seq={c.seq} batch={c.batch}: estimate "
+        f"{memory_estimate_bytes(c, c.layers, args.attention_impl) / 1e9:.1f} GB per device")
     ref = None
     for impl in impls:
       rec = _base_record(c, impl, gpu, versions, date)
@@ -273,8 +297,8 @@ def main(argv=None) -> int:
           ref = rec
         loss_check(rec, ref, args.loss_rtol)
         log(f"  {impl}: {rec['step_ms']:.2f} ms/step, {rec['tokens_per_s']:.0f} tokens/s, "
-             f"losses {rec['loss']}" + ("" if rec.get("loss_agrees", True) else
-                                        f"  DISAGREE with jax.jit ({rec['loss_rel_diff']:.2e})"))
+            f"losses {rec['loss']}" + ("" if rec.get("loss_agrees", True) else
+                                       f"  DISAGREE with jax.jit ({rec['loss_rel_diff']:.2e})"))
       except Exception as e:  # noqa: BLE001 - an error row; the other runs go on
         rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         log(f"  {impl} failed: {rec['error'][:600]}")
@@ -283,7 +307,8 @@ def main(argv=None) -> int:
       records.append(rec)
       gc.collect()
 
-  out_dir = pathlib.Path(args.out)
+  out_dir = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="ao-bench-model-smoke-")
+                                       if args.smoke else "bench/results"))
   out_dir.mkdir(parents=True, exist_ok=True)
   path = out_dir / f"{gpu}-x{world}-{date}-model{'-' + args.tag if args.tag else ''}.json"
   path.write_text(json.dumps(records, indent=1))
