@@ -52,6 +52,7 @@ def test_smoke_tensor_parallel_trains_identically_under_every_impl(smoke):
     assert "error" not in r, (impl, r.get("error"))
     assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
     assert r["bench"] == "model" and r["model"] == "tiny" and r["world_size"] == 8
+    assert r["platform"] == "cpu"
     assert r["mesh"] == "tp=8" and r["seq"] * r["batch"] == r["tokens"] == 256
     assert r["step_ms"] > 0
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_ms"] * 1e3, rel=1e-3)
@@ -94,8 +95,9 @@ def test_smoke_prints_table_last_and_says_cpu_shows_no_gains(smoke):
   assert all(r.get("note") == cli.CPU_NOTE for r in records)
 
 
-def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, capsys):
-  """The notebook's model-results cell reads the JSON (and says so when there is none)."""
+def test_notebook_cell_tabulates_gpu_model_results_only(smoke, tmp_path, monkeypatch, capsys):
+  """The notebook's model-results cell reads the JSON (and says so when there is none), and
+  leaves CPU runs out: their timings cannot show overlap, beside GPU runs they would mislead."""
   nb = json.loads((ROOT / "notebooks" / "explore.ipynb").read_text())
   cell = next("".join(c["source"]) for c in nb["cells"]
               if c["cell_type"] == "code" and "-model*.json" in "".join(c["source"]))
@@ -104,14 +106,22 @@ def test_notebook_cell_tabulates_model_results(smoke, tmp_path, monkeypatch, cap
   assert "no *-model*.json results" in capsys.readouterr().out
   results = tmp_path / "bench" / "results"
   results.mkdir(parents=True)
-  (results / smoke[3].name).write_text(smoke[3].read_text())
+  (results / smoke[3].name).write_text(smoke[3].read_text())  # the CPU smoke run
   plt = unittest.mock.MagicMock()
   plt.subplots.return_value = (unittest.mock.MagicMock(), unittest.mock.MagicMock())
   monkeypatch.setitem(sys.modules, "matplotlib", unittest.mock.MagicMock(pyplot=plt))
   monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
   exec(cell, {})
   out = capsys.readouterr().out
+  timed = [r for r in smoke[2] if r.get("tokens_per_s")]
+  assert f"{len(timed)} records of CPU runs left out" in out and "no *-model*.json" in out
+  assert not plt.show.called
+  gpu_run = [{**r, "gpu": "NVIDIA-H200", "platform": "gpu"} for r in smoke[2]]  # as a GPU run
+  (results / "NVIDIA-H200-x8-2026-01-01-model.json").write_text(json.dumps(gpu_run))
+  exec(cell, {})
+  out = capsys.readouterr().out
   row = next(line for line in out.splitlines() if " tp " in line and "tiny" in line)
+  assert "NVIDIA-H200 x8" in row
   tp = _rows(smoke[2], "tp")
   best = max(tp["jax.jit"]["tokens_per_s"], tp["jax.jit+xla_overlap"]["tokens_per_s"])
   assert float(row.split()[-1]) == pytest.approx(tp["ao.jit"]["tokens_per_s"] / best, abs=1e-3)

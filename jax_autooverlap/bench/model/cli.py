@@ -174,12 +174,12 @@ def _configs(args, world, budget, not_run):
   return out
 
 
-def _base_record(c: RunConfig, impl, gpu, versions, date):
+def _base_record(c: RunConfig, impl, gpu, platform, versions, date):
   return {"bench": "model", "model": c.dims.name, "tokens": c.tokens, "world_size": c.world,
           "impl": impl, "variant": c.variant, "mesh": c.mesh_desc, "layers": c.layers,
           "seq": c.seq, "batch": c.batch, "hidden": c.dims.hidden, "ffn": c.dims.ffn,
           "heads": c.dims.heads, "kv_heads": c.dims.kv_heads, "dtype": "bfloat16",
-          "gpu": gpu, "versions": versions, "date": date,
+          "gpu": gpu, "platform": platform, "versions": versions, "date": date,
           "fused": None, "skipped": None}  # ao.explain's counts, on ao.jit rows
 
 
@@ -267,8 +267,8 @@ def main(argv=None) -> int:
 
   not_run = []
   configs = _configs(args, world, budget, not_run)
-  records = [{"bench": "model", "world_size": world, "gpu": gpu, "versions": versions,
-              "date": date, "impl": None, **e} for e in not_run]
+  records = [{"bench": "model", "world_size": world, "gpu": gpu, "platform": platform,
+              "versions": versions, "date": date, "impl": None, **e} for e in not_run]
   for e in not_run:
     log(f"{e['model']} tokens={e['tokens']} {e['variant']}: n/a: {e['not_applicable']}")
   for c in configs:
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
         f"{memory_estimate_bytes(c, c.layers, args.attention_impl) / 1e9:.1f} GB per device")
     ref = None
     for impl in impls:
-      rec = _base_record(c, impl, gpu, versions, date)
+      rec = _base_record(c, impl, gpu, platform, versions, date)
       log(f"  {impl} ...")
       try:
         if impl == "jax.jit+xla_overlap" and rejected:
