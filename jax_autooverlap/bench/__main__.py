@@ -1,11 +1,12 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
+    python -m jax_autooverlap.bench --help   (every command below and its options)
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
-    python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
-    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model/)
-    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback/)
+    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: bench/loopback/)
+    python -m jax_autooverlap.bench model [...]   (training step end to end: bench/model/)
+    python -m jax_autooverlap.bench calibrate [...]   (the cost model: bench/calibrate.py)
 
-For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
+ag|rs: for each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
   xla_windowed   GSPMD matmul with XLA's windowed einsum (separate process, its flags)
   pallas_mgpu    JAX's Pallas Mosaic-GPU all_gather_lhs_matmul, when importable
@@ -247,36 +248,89 @@ AG_SWEEP = {"tl": ((4, 8), (4, 16), (8, 16), (8, 32)),
             "gluon": ((4, 32), (8, 32), (8, 64), (8, 132))}
 
 
+USAGE = ("usage: python -m jax_autooverlap.bench {ag,rs} [options]\n"
+         "       python -m jax_autooverlap.bench {ag,rs} --loopback [options]\n"
+         "       python -m jax_autooverlap.bench model [options]\n"
+         "       python -m jax_autooverlap.bench calibrate [options]")
+COMMANDS = """
+Benchmarks of jax_autooverlap; each prints a table and writes JSON records.
+
+commands:
+  ag, rs             the fused op (ag: all_gather(x) @ w, rs: psum_scatter(x @ w)) against the
+                     unfused program, XLA's windowed einsum and Pallas-MGPU, with the overlap
+                     floor, on all local GPUs (at least 2); records its verdicts for ao.jit
+  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of two whose peer is a
+                     second buffer on the same GPU, against cuBLAS on the same local GEMM
+  model              a Llama-style training step: jax.jit vs XLA's overlap flags vs ao.jit
+  calibrate          fit the cost model to this machine
+
+Also, each with --help: python -m jax_autooverlap.bench.engine (the Gluon engine's GEMM against
+cuBLAS), .gemm_check (the cost model's GEMM time against cuBLAS), .launch_cost (host cost of a
+launch). The options of each command follow."""
+
+
+def parser() -> argparse.ArgumentParser:
+  """The two-GPU benchmark's options (`ag` / `rs`)."""
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench",
+      description="The fused op against the unfused program, XLA's windowed einsum, Pallas-MGPU "
+                  "(AG) and the overlap floor on all local GPUs (at least 2): per shape the "
+                  "fastest correct kernel config of a sweep. Writes "
+                  "<GPU>-x<world>-<date>-<op>.json (fields: bench/records/README.md) and the "
+                  "verdicts, which ao.jit reads, into the user's tuning cache.")
+  ap.add_argument("op", choices=["ag", "rs"],
+                  help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
+  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                  help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
+                       "dim, N columns of w; M and N divisible by the GPU count), e.g. "
+                       "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--iters", type=int, default=20,
+                  help="back-to-back calls per timed batch (default: %(default)s)")
+  ap.add_argument("--out", default="bench/results",
+                  help="directory of the JSON and the tuning verdicts (default: %(default)s)")
+  ap.add_argument("--no-rivals", action="store_true",
+                  help="time neither XLA's windowed einsum nor Pallas-MGPU")
+  ap.add_argument("--no-cache", action="store_true",
+                  help="do not record the verdicts in the user's tuning cache")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="kernel engines to sweep, comma-separated: tl, gluon (the tuner keeps the "
+                       "fastest correct config; default: %(default)s)")
+  ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)  # the child
+  return ap
+
+
+def parsers() -> list[argparse.ArgumentParser]:
+  """Every command's parser, in the order --help lists them."""
+  from jax_autooverlap.bench import calibrate
+  from jax_autooverlap.bench.loopback import cli as loopback_cli
+  from jax_autooverlap.bench.model import cli as model_cli
+  return [parser(), loopback_cli.parser(), model_cli.parser(), calibrate.parser()]
+
+
+def full_help() -> str:
+  return "\n\n".join([USAGE + "\n" + COMMANDS] + [p.format_help() for p in parsers()])
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["calibrate"]:  # the cost model's calibration
+  if argv[:1] in (["-h"], ["--help"]):
+    print(full_help())
+    return 0
+  if not argv:
+    print(USAGE + "\n(python -m jax_autooverlap.bench --help: every command and option)",
+          file=sys.stderr)
+    return 2
+  if argv[:1] == ["calibrate"]:
     from jax_autooverlap.bench import calibrate
     return calibrate.main(argv[1:])
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])
-  if "--loopback" in argv:  # one GPU: bench/loopback/
+  if "--loopback" in argv:
     from jax_autooverlap.bench import loopback
     return loopback.main(argv)
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
-                               epilog="python -m jax_autooverlap.bench model --help: the "
-                                      "end-to-end training-step benchmark; ... calibrate --help: "
-                                      "the cost model's calibration")
-  ap.add_argument("op", choices=["ag", "rs"])
-  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                  help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
-                       "dim, N columns of w; M and N divisible by the GPU count), e.g. "
-                       "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--out", default="bench/results")
-  ap.add_argument("--no-rivals", action="store_true")
-  ap.add_argument("--no-cache", action="store_true",
-                  help="do not record the verdicts in the user's tuning cache")
-  ap.add_argument("--engines", default="tl,gluon",
-                  help="kernel engines to sweep, comma-separated: tl, gluon (the tuner keeps the "
-                       "fastest correct config)")
-  ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)
+  ap = parser()
   args = ap.parse_args(argv)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
 

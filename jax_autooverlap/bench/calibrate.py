@@ -209,9 +209,13 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
   return records
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench calibrate")
-  ap.add_argument("--dtype", default="bfloat16")
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench calibrate",
+      description="Calibrate the cost model on this machine: cuBLAS GEMM rates and the kernel's "
+                  "tile costs on one GPU, the group's parameters on all local GPUs (>= 2); "
+                  "writes them into the user's tuning cache and a calibration JSON.")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
   ap.add_argument("--out", default=None,
                   help="directory of the JSON output (default: bench/results; with --smoke a new "
                        "temporary directory)")
@@ -220,9 +224,14 @@ def main(argv=None):
   ap.add_argument("--single-gpu", action="store_true", help="only the single-GPU part")
   ap.add_argument("--devices", type=int, help="group size of the multi-GPU part (default: all)")
   ap.add_argument("--gemm-time-limit-s", type=float, default=150.0,
-                  help="stop the GEMM grid after this long (it is timed coarse steps first)")
+                  help="stop the GEMM grid after this long (it is timed coarse steps first; "
+                       "default: %(default)s)")
   ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU devices allowed (tests)")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
 
   import jax
   import numpy as np

@@ -162,22 +162,40 @@ def format_table(op: str, records: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench OP --loopback")
-  ap.add_argument("op", choices=["ag", "rs"])
-  ap.add_argument("--loopback", action="store_true", required=True)
-  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="global MxKxN, comma-separated")
-  ap.add_argument("--dtype", default="bfloat16")
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench",
+      description="One GPU: the fused kernel as rank 0 of a group of two whose peer is a second "
+                  "buffer on the same GPU (its data and arrival counters in place), checked "
+                  "against the unfused result and timed (CUPTI device time, interleaved rounds) "
+                  "against cuBLAS doing the same local GEMM and the Gluon engine's GEMM alone. "
+                  "Writes *-loopback.json, *-engine-alone.json and a table.")
+  ap.add_argument("op", choices=["ag", "rs"],
+                  help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
+  ap.add_argument("--loopback", action="store_true", required=True,
+                  help="one GPU standing in for a group of two (this mode)")
+  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                  help="global MxKxN of the two-GPU op, comma-separated (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
   ap.add_argument("--engines", default="tl,gluon",
-                  help="fused-kernel engines to time, comma-separated: tl, gluon")
-  ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--calls", type=int, default=20, help="back-to-back calls per round")
+                  help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
+                       "only; default: %(default)s)")
+  ap.add_argument("--rounds", type=int, default=5,
+                  help="interleaved rounds; the time is the median over rounds (default: "
+                       "%(default)s)")
+  ap.add_argument("--calls", type=int, default=20,
+                  help="back-to-back calls per round (default: %(default)s)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
                        "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
-  ap.add_argument("--out", default="bench/results")
-  return ap.parse_args(argv)
+  ap.add_argument("--out", default="bench/results",
+                  help="directory of the JSON and table (default: %(default)s)")
+  return ap
+
+
+def parse_args(argv):
+  return parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

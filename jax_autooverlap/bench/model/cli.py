@@ -56,7 +56,14 @@ def _cpu_devices():
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 
-def _parser():
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each option's default, except None: those options' help says what happens then."""
+
+  def _get_help_string(self, action):
+    return action.help if action.default is None else super()._get_help_string(action)
+
+
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(
       prog="python -m jax_autooverlap.bench model",
       description="End-to-end training step of a Llama-style decoder stack (Megatron tensor + "
@@ -64,7 +71,7 @@ def _parser():
                   "jax.jit vs jax.jit with XLA's overlap flags vs ao.jit, same inputs, one run. "
                   "Writes <GPU>-x<world>-<date>-model.json under --out and prints a table last; "
                   "progress goes to stderr.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=_DefaultsFormatter)
   ap.add_argument("--model", default="llama3-8b,llama3-70b",
                   help=f"comma-separated layer dims to run, of {', '.join(MODELS)} (tiny: CPU smoke)")
   ap.add_argument("--tokens", default="4096,8192,16384",
@@ -128,7 +135,7 @@ SMOKE = {"model": "tiny", "tokens": "256", "seq": 128, "steps": 2, "warmup": 1, 
 
 
 def _parse(argv):
-  ap = _parser()
+  ap = parser()
   args = ap.parse_args(argv)
   if args.smoke:
     for k, v in SMOKE.items():
