@@ -7,7 +7,7 @@ kernel is launched by Triton itself (torch tensors; no jax.jit, no CUDA graphs, 
 autotuning, which is what kept ncu from profiling anything when it wrapped the JAX benchmark)
 and cuBLAS through torch.matmul, once each per shape.  Prints one row per kernel: duration,
 elapsed and active cycles, SM clock, the tensor ("shared") pipe's busy share of active cycles,
-warp-state figures; writes the raw CSV.  Numbers from 2026-12-01: bench/NOTES.md.
+warp-state figures; writes the raw CSV.  Numbers from 2026-12-01: docs/NOTES.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The one-GPU loopback benchmark's host side, on CPU: shapes, workspace image, timing records.
+"""The one-GPU loopback benchmark's host side, on CPU: shapes, workspace image, device timing,
+records and table.
 
 (The kernels themselves run in tests/test_gpu_loopback.py, and compile in
 tests/test_kernel_compile.py.)
@@ -10,16 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_autooverlap.bench import loopback as lb
+from jax_autooverlap.bench import timing
+from jax_autooverlap.bench.loopback import cli, fixture, programs
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
 
 
 def test_local_gemm_of_each_op_is_one_gpus_share():
-  ag = lb.Case("ag", 4096, 8192, 8192)
+  ag = fixture.Case("ag", 4096, 8192, 8192)
   assert ag.local_gemm == (4096, 8192, 4096)          # gathered rows x this GPU's columns
   assert (ag.a_shape, ag.b_shape, ag.out_shape) == ((2048, 8192), (8192, 4096), (4096, 4096))
-  rs = lb.Case("rs", 16384, 8192, 28672)
+  rs = fixture.Case("rs", 16384, 8192, 28672)
   assert rs.local_gemm == (16384, 4096, 28672)        # this GPU's share of K
   assert (rs.a_shape, rs.b_shape, rs.out_shape) == ((16384, 4096), (4096, 28672), (8192, 28672))
   assert rs.piece_shape == rs.out_shape               # a peer's partial of rank 0's rows
@@ -27,19 +29,19 @@ def test_local_gemm_of_each_op_is_one_gpus_share():
 
 def test_case_rejects_shapes_the_group_cannot_split():
   with pytest.raises(ValueError, match="n=4097 must be divisible by the group size 2"):
-    lb.Case("ag", 4096, 8192, 4097)
+    fixture.Case("ag", 4096, 8192, 4097)
   with pytest.raises(ValueError, match="k=4097"):
-    lb.Case("rs", 4096, 4097, 8192)
+    fixture.Case("rs", 4096, 4097, 8192)
   with pytest.raises(ValueError, match="op='xx'"):
-    lb.Case("xx", 2, 2, 2)
+    fixture.Case("xx", 2, 2, 2)
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_rank0_workspace_holds_the_peer_piece_in_both_parity_slots(op):
-  case = lb.Case(op, 64, 128, 96)
+  case = fixture.Case(op, 64, 128, 96)
   peer = np.arange(np.prod(case.piece_shape), dtype=np.float32).reshape(case.piece_shape)
   peer = np.asarray(jnp.asarray(peer, jnp.bfloat16))
-  host = lb.rank0_workspace(case, peer, err_address=0x7F00_1234_5678)
+  host = fixture.rank0_workspace(case, peer, err_address=0x7F00_1234_5678)
   assert host.size == workspace.required_bytes(WORLD := 2, peer.nbytes)
   expected = np.zeros_like(host)
   slot = workspace.ERROR_SLOT_OFFSET
@@ -47,7 +49,7 @@ def test_rank0_workspace_holds_the_peer_piece_in_both_parity_slots(op):
   expected[slot:slot + 8] = host[slot:slot + 8]
   for parity in (0, 1):
     off = workspace.buffer_offset(WORLD) + (parity * WORLD + 1) * peer.nbytes
-    assert lb.piece_offset(case, parity, 1) == off
+    assert fixture.piece_offset(case, parity, 1) == off
     got = host[off:off + peer.nbytes].view(peer.dtype).reshape(peer.shape)
     np.testing.assert_array_equal(got, peer)
     expected[off:off + peer.nbytes] = host[off:off + peer.nbytes]
@@ -57,7 +59,7 @@ def test_rank0_workspace_holds_the_peer_piece_in_both_parity_slots(op):
 
 def test_address_table_is_lo_hi_pairs_then_a_zero_pair():
   addrs = (0x7F12_3456_7890, 0x7F00_0000_1000)
-  t = lb.address_table(addrs)
+  t = fixture.address_table(addrs)
   assert t.dtype == np.uint32 and t.shape == (6,)
   assert [int(t[2 * i]) | int(t[2 * i + 1]) << 32 for i in range(3)] == [*addrs, 0]
 
@@ -65,15 +67,15 @@ def test_address_table_is_lo_hi_pairs_then_a_zero_pair():
 def test_per_call_time_counts_only_the_contestants_kernels():
   events = [("loopback_arm_kernel", 0.003), ("ag_gemm_kernel", 0.30), ("loopback_arm_kernel", 0.003),
             ("ag_gemm_kernel", 0.32), ("Memset 3", 0.002), ("nvjet_tst_256x128", 0.01)]
-  assert lb.per_call_ms(events, ("ag_gemm_kernel",), calls=2) == pytest.approx(0.31)
+  assert timing.per_call_ms(events, ("ag_gemm_kernel",), calls=2) == pytest.approx(0.31)
   # None: every kernel but the set-up one and memsets (the cuBLAS GEMM alone may be several kernels)
-  assert lb.per_call_ms(events, None, calls=2) == pytest.approx((0.62 + 0.01) / 2)
+  assert timing.per_call_ms(events, None, calls=2) == pytest.approx((0.62 + 0.01) / 2)
   # kernels recorded but none the contestant's: an error naming them, not a wall-clock fallback
   with pytest.raises(ValueError, match=r"none of the profiled kernels \['ag_gemm_kernel', "
                                        r"'nvjet_tst_256x128'\] matches \['gluon_ag_gemm_kernel'\]"):
-    lb.per_call_ms(events, ("gluon_ag_gemm_kernel",), calls=2)
-  assert lb.per_call_ms([("loopback_arm_kernel", 0.003)], ("ag_gemm_kernel",), calls=2) is None
-  assert lb.per_call_ms([], ("ag_gemm_kernel",), calls=2) is None
+    timing.per_call_ms(events, ("gluon_ag_gemm_kernel",), calls=2)
+  assert timing.per_call_ms([("loopback_arm_kernel", 0.003)], ("ag_gemm_kernel",), calls=2) is None
+  assert timing.per_call_ms([], ("ag_gemm_kernel",), calls=2) is None
 
 
 def test_cpu_trace_has_no_device_kernels(tmp_path):
@@ -82,39 +84,22 @@ def test_cpu_trace_has_no_device_kernels(tmp_path):
   f(x).block_until_ready()
   with jax.profiler.trace(str(tmp_path)):
     f(x).block_until_ready()
-  assert lb.device_kernel_events(tmp_path) == []  # -> the benchmark falls back to wall clock
+  assert timing.device_kernel_events(tmp_path) == []  # -> the benchmark falls back to wall clock
 
 
 def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
-  case = lb.Case("ag", 4096, 8192, 8192)
-  cfgs = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
+  case = fixture.Case("ag", 4096, 8192, 8192)
+  cfgs = cli.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
   assert [c.engine for c in cfgs.values()] == ["tl", "gluon"]
   picked = select.choose_ag(OverlapConfig(), "NVIDIA H200", 2, 2048, 8192, 4096, jnp.bfloat16,
                             jnp.bfloat16).kernel or select.default_kernel(jnp.bfloat16)
   for cfg in cfgs.values():
     assert (cfg.chunks, cfg.num_comm, cfg.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
   # float32 has no Gluon path: skipped with the tuner's reason
-  assert list(lb.kernel_configs(lb.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
+  assert list(cli.kernel_configs(fixture.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
                                 ["tl", "gluon"])) == ["tl"]
-  # a num_comm override (diagnostic) replaces the tuner's, nothing else
-  over = lb.kernel_configs(case, "NVIDIA H200", ["gluon"], num_comm=3)["gluon"]
-  assert over.num_comm == 3 and over.chunks == picked.chunks
-  # --gluon-override (an experiment) changes the gluon engine's config only
-  exp = lb.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"],
-                          gluon_override=lb.parse_override("num_stages=2,group_m=4"))
-  assert (exp["gluon"].num_stages, exp["gluon"].group_m) == (2, 4)
-  assert exp["tl"] == cfgs["tl"] and exp["gluon"].chunks == picked.chunks
-
-
-def test_gluon_override_names_kernel_config_fields():
-  import argparse
-  assert lb.parse_override("") == {}
-  assert lb.parse_override("num_stages=4,group_m=2") == {"num_stages": 4, "group_m": 2}
-  for bad in ("stages=4", "num_stages=four", "engine=1"):
-    with pytest.raises(argparse.ArgumentTypeError, match="expected name=integer"):
-      lb.parse_override(bad)
 
 
 def test_table_and_records():
@@ -124,44 +109,44 @@ def test_table_and_records():
              dict(base, impl="ours", median_ms=0.21, engine="gluon"),
              dict(base, impl="ours_tl", median_ms=0.25, engine="tl"),
              dict(base, impl="engine_alone", median_ms=0.205, engine="gluon")]
-  table = lb.format_table("rs", records)
+  table = cli.format_table("rs", records)
   row = table.splitlines()[-1].split()
   assert row[:7] == ["4096x8192x8192", "4096x4096x8192", "0.2000", "0.2100", "gluon", "0.2500",
                      "0.2050"]
   assert row[7:10] == ["1.050", "1.250", "1.025"]
   json.dumps(records)
   records[1]["kernel"] = {"engine": "gluon", "wg_partitions": True}  # the partitioned GEMM+RS
-  assert lb.format_table("rs", records).splitlines()[-1].split()[4] == "gluon+wg"
+  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon+wg"
 
 
 def test_parse_args_requires_loopback_flag():
-  args = lb.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
+  args = cli.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
   assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
-  assert (args.num_comm, args.tag) == (None, "")
-  args = lb.parse_args(["ag", "--loopback", "--num-comm", "4", "--tag", "_c4", "--diag", "3"])
-  assert (args.num_comm, args.tag, args.diag) == (4, "_c4", 3)
+  assert (args.tag, args.trace) == ("", False)
+  args = cli.parse_args(["ag", "--loopback", "--tag", "_c4", "--trace"])
+  assert (args.tag, args.trace) == ("_c4", True)
   with pytest.raises(SystemExit):
-    lb.parse_args(["ag"])
+    cli.parse_args(["ag"])
 
 
 def test_wg_partitions_are_for_gemm_rs_only():
   with pytest.raises(ValueError, match="GEMM\\+RS only"):
-    lb.fused_program(lb.Case("ag", 512, 256, 512),
+    programs.fused_program(fixture.Case("ag", 512, 256, 512),
                      KernelConfig(engine="gluon", wg_partitions=True), 132)
 
 
 def test_kernel_lines_are_the_stream_lines_else_all_but_xlas_derived_ones():
   from types import SimpleNamespace as L
   lines = [L(name="XLA Modules"), L(name="XLA Ops"), L(name="Stream #13(Compute)")]
-  assert [x.name for x in lb.kernel_lines(lines)] == ["Stream #13(Compute)"]
+  assert [x.name for x in timing.kernel_lines(lines)] == ["Stream #13(Compute)"]
   lines = [L(name="XLA Ops"), L(name="Steps"), L(name="gpu kernels")]
-  assert [x.name for x in lb.kernel_lines(lines)] == ["gpu kernels"]
+  assert [x.name for x in timing.kernel_lines(lines)] == ["gpu kernels"]
 
 
 def test_interleaved_timing_falls_back_to_wall_clock_without_device_events():
   f = jax.jit(lambda x: x @ x)
   x = jnp.ones((32, 32))
-  out = lb.time_interleaved({"a": (f, (x,), None), "b": (f, (x,), ("nothing",))}, rounds=2, calls=2)
+  out = timing.time_interleaved({"a": (f, (x,), None), "b": (f, (x,), ("nothing",))}, rounds=2, calls=2)
   for impl in "ab":
     ms, info = out[impl]
     assert ms > 0 and info["timing"] == "wall_clock" and len(info["round_ms"]) == 2
@@ -204,15 +189,8 @@ def test_engine_benchmark_table_and_config_names(capsys):
   table = engine.format_table(recs, ["coop-128x256-s3", "coop-128x128-s4"])
   row = table.splitlines()[-1].split()
   assert row[:4] == ["256x128x512", "0.2000", "1.050", "-"]
-  import inspect
-  from jax_autooverlap.tuning.config import KernelConfig
-  for fields in engine.CONFIGS.values():  # every named config is one its launcher takes
-    fields = dict(fields)
-    if fields.pop("cluster", False):
-      inspect.signature(engine._cluster_program).bind(132, **fields)
-    else:
-      fields.pop("setup_fence", None)  # launch_gemm's argument
-      KernelConfig(engine="gluon", **fields)
+  for fields in engine.CONFIGS.values():  # every named config is a Gluon KernelConfig
+    KernelConfig(engine="gluon", **fields)
   with pytest.raises(SystemExit):
     engine.main(["--configs", "nope"])
   assert "unknown config" in capsys.readouterr().err

@@ -1,11 +1,12 @@
 """Benchmark the fused ops against the unfused program, the rivals and the overlap floor.
 
+    python -m jax_autooverlap.bench --help   (every command below and its options)
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
-    python -m jax_autooverlap.bench calibrate [--out bench/results]   (bench/calibrate.py)
-    python -m jax_autooverlap.bench model [--help]   (training step end to end: bench/model.py)
-    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: see bench/loopback.py)
+    python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: bench/loopback/)
+    python -m jax_autooverlap.bench model [...]   (training step end to end: bench/model/)
+    python -m jax_autooverlap.bench calibrate [...]   (the cost model: bench/calibrate.py)
 
-For each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
+ag|rs: for each shape (M x K x N global, bf16, all local GPUs on one axis) it times:
   unfused        all_gather + dot_general in shard_map (NCCL + cuBLAS)
   xla_windowed   GSPMD matmul with XLA's windowed einsum (separate process, its flags)
   pallas_mgpu    JAX's Pallas Mosaic-GPU all_gather_lhs_matmul, when importable
@@ -25,38 +26,18 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
-import time
+
+from jax_autooverlap.bench import common
+from jax_autooverlap.tuning.autotune import time_call
 
 DEFAULT_SHAPES = ["4096x8192x8192", "16384x8192x8192", "16384x8192x28672", "8192x4096x4096",
                   "512x8192x8192", "2048x8192x8192"]
+BATCHES = 5  # per-call time of a batch of back-to-back calls, median of BATCHES batches
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
-
-
-def _log(msg):
-  print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _time_ms(fn, arg_sets, iters: int, batches: int = 5) -> float:
-  """ms per call of back-to-back calls: the verdicts' measure (shared with autotuning)."""
-  from jax_autooverlap.tuning.autotune import time_call
-  return time_call(fn, arg_sets, iters, batches)
-
-
-def _versions():
-  import jax
-  import jaxlib
-  from jax_autooverlap._compat import import_jax_triton  # never import jax_triton unshimmed
-  out = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version()}
-  try:
-    out["jax_triton"] = import_jax_triton().__version__
-    out["triton"] = __import__("triton").__version__
-  except Exception as e:  # noqa: BLE001
-    out["jax_triton"] = f"unavailable ({type(e).__name__}: {e})"
-  return out
+log = common.logger("bench")
 
 
 def _inputs(mesh, m, k, n, dtype, x_spec=None, w_spec=None, seed=100, sets=3):
@@ -87,16 +68,16 @@ def _best_of(program, arg_sets, want, iters, sweep):
     fused = ao.jit(program, overlap_config=ao.OverlapConfig(impl="triton", kernel=cfg))
     try:
       got = fused(*arg_sets[0])
-      err = _rel_err(got, want)
+      err = common.rel_err(got, want)
       repeat = bool(np.array_equal(np.asarray(got), np.asarray(fused(*arg_sets[0]))))
-      t = _time_ms(fused, arg_sets, iters)
+      t = time_call(fused, arg_sets, iters, batches=BATCHES)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      _log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+      log(f"  ours {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
-    _log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
-         f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
+    log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
+        f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
     if err > 2e-2 or not repeat:
-      _log("  -> wrong or non-deterministic result, not counted")
+      log("  -> wrong or non-deterministic result, not counted")
       continue
     if best is None or t < best[0]:
       best = (t, {"kernel": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "rel_err": err})
@@ -109,8 +90,8 @@ def _unfused_and_ours(program, arg_sets, iters, sweep, label):
   import jax
   unfused = jax.jit(program)
   want = unfused(*arg_sets[0])
-  res = {"unfused": (_time_ms(unfused, arg_sets, iters), {})}
-  _log(f"{label} unfused {res['unfused'][0]:.3f} ms")
+  res = {"unfused": (time_call(unfused, arg_sets, iters, batches=BATCHES), {})}
+  log(f"{label} unfused {res['unfused'][0]:.3f} ms")
   best = _best_of(program, arg_sets, want, iters, sweep)
   if best is not None:
     res["ours"] = best
@@ -123,7 +104,7 @@ def _transfer_alone(gpus, nbytes: int, iters: int):
   import jax.numpy as jnp
   src = [jax.device_put(jnp.zeros((nbytes // 2,), jnp.bfloat16) + i, gpus[1]) for i in range(3)]
   move = lambda a: jax.device_put(a, gpus[0])
-  return _time_ms(move, [(a,) for a in src], iters), {"bytes": nbytes}
+  return time_call(move, [(a,) for a in src], iters, batches=BATCHES), {"bytes": nbytes}
 
 
 def _gpu_mesh():
@@ -132,12 +113,6 @@ def _gpu_mesh():
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   return gpus, jax.make_mesh((len(gpus),), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=gpus)
-
-
-def _rel_err(a, b):
-  import numpy as np
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
@@ -159,7 +134,7 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   xg = jax.device_put(arg_sets[0][0], NamedSharding(mesh, P()))
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P(None, "x")),
                                out_specs=out_spec))
-  res["gemm_alone"] = (_time_ms(gemm, [(xg, s[1]) for s in arg_sets], iters), {})
+  res["gemm_alone"] = (time_call(gemm, [(xg, s[1]) for s in arg_sets], iters, batches=BATCHES), {})
   # remote bytes of one device: (world-1) shards of [M/world, K]
   res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * k * dtype.itemsize,
                                           iters)
@@ -182,17 +157,17 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
               lambda x, w, cfg=cfg: cm.all_gather_lhs_matmul(x, w, "x", config=cfg, dtype=dtype),
               out_specs=P(None, "x"), check_vma=False))
           try:
-            t = _time_ms(f, p_sets, iters)
-            err = _rel_err(f(*p_sets[0]), want)
+            t = time_call(f, p_sets, iters, batches=BATCHES)
+            err = common.rel_err(f(*p_sets[0]), want)
           except Exception as e:  # noqa: BLE001
-            _log(f"  pallas_mgpu config failed: {type(e).__name__}: {str(e)[:200]}")
+            log(f"  pallas_mgpu config failed: {type(e).__name__}: {str(e)[:200]}")
             continue
           if err < 2e-2 and (best_p is None or t < best_p[0]):
             best_p = (t, {"rel_err": err, "wg_dimension": str(wg)})
       if best_p:
         res["pallas_mgpu"] = best_p
     except Exception as e:  # noqa: BLE001
-      _log(f"  pallas_mgpu unavailable: {type(e).__name__}: {str(e)[:200]}")
+      log(f"  pallas_mgpu unavailable: {type(e).__name__}: {str(e)[:200]}")
   return world, res
 
 
@@ -212,7 +187,7 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   res, _ = _unfused_and_ours(jax.shard_map(rs, **kw), arg_sets, iters, kernel_sweep,
                              f"rs {m}x{k}x{n}")
   gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, **kw))  # the partial product, summed by RS
-  res["gemm_alone"] = (_time_ms(gemm, arg_sets, iters), {})
+  res["gemm_alone"] = (time_call(gemm, arg_sets, iters, batches=BATCHES), {})
   # remote bytes of one device: (world-1) partial slots of [M/world, N]
   res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * n * dtype.itemsize,
                                           iters)
@@ -232,7 +207,7 @@ def bench_windowed(m, k, n, dtype_name, iters, op="ag"):
     f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P("x")))
   else:
     f = jax.jit(lambda x, w: x @ w, out_shardings=NamedSharding(mesh, P(None, "x")))
-  return _time_ms(f, arg_sets, iters)
+  return time_call(f, arg_sets, iters, batches=BATCHES)
 
 
 def _write_tuning_cache(path, records, dtype, op):
@@ -263,12 +238,7 @@ def _merge_into_user_cache(new_path, op):
   cache = json.loads(path.read_text()) if path.exists() else {}
   cache.update(json.loads(new_path.read_text()))
   path.write_text(json.dumps(cache, indent=1, sort_keys=True))
-  _log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
-
-
-def _gpu_name():
-  import jax
-  return jax.devices()[0].device_kind.replace(" ", "-")
+  log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
 
 
 # AG+GEMM (chunks, movers) per engine: tl movers are CTAs of their own (they compute only after
@@ -278,36 +248,89 @@ AG_SWEEP = {"tl": ((4, 8), (4, 16), (8, 16), (8, 32)),
             "gluon": ((4, 32), (8, 32), (8, 64), (8, 132))}
 
 
+USAGE = ("usage: python -m jax_autooverlap.bench {ag,rs} [options]\n"
+         "       python -m jax_autooverlap.bench {ag,rs} --loopback [options]\n"
+         "       python -m jax_autooverlap.bench model [options]\n"
+         "       python -m jax_autooverlap.bench calibrate [options]")
+COMMANDS = """
+Benchmarks of jax_autooverlap; each prints a table and writes JSON records.
+
+commands:
+  ag, rs             the fused op (ag: all_gather(x) @ w, rs: psum_scatter(x @ w)) against the
+                     unfused program, XLA's windowed einsum and Pallas-MGPU, with the overlap
+                     floor, on all local GPUs (at least 2); records its verdicts for ao.jit
+  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of two whose peer is a
+                     second buffer on the same GPU, against cuBLAS on the same local GEMM
+  model              a Llama-style training step: jax.jit vs XLA's overlap flags vs ao.jit
+  calibrate          fit the cost model to this machine
+
+Also, each with --help: python -m jax_autooverlap.bench.engine (the Gluon engine's GEMM against
+cuBLAS), .gemm_check (the cost model's GEMM time against cuBLAS), .launch_cost (host cost of a
+launch). The options of each command follow."""
+
+
+def parser() -> argparse.ArgumentParser:
+  """The two-GPU benchmark's options (`ag` / `rs`)."""
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench",
+      description="The fused op against the unfused program, XLA's windowed einsum, Pallas-MGPU "
+                  "(AG) and the overlap floor on all local GPUs (at least 2): per shape the "
+                  "fastest correct kernel config of a sweep. Writes "
+                  "<GPU>-x<world>-<date>-<op>.json (fields: bench/records/README.md) and the "
+                  "verdicts, which ao.jit reads, into the user's tuning cache.")
+  ap.add_argument("op", choices=["ag", "rs"],
+                  help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
+  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                  help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
+                       "dim, N columns of w; M and N divisible by the GPU count), e.g. "
+                       "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--iters", type=int, default=20,
+                  help="back-to-back calls per timed batch (default: %(default)s)")
+  ap.add_argument("--out", default="bench/results",
+                  help="directory of the JSON and the tuning verdicts (default: %(default)s)")
+  ap.add_argument("--no-rivals", action="store_true",
+                  help="time neither XLA's windowed einsum nor Pallas-MGPU")
+  ap.add_argument("--no-cache", action="store_true",
+                  help="do not record the verdicts in the user's tuning cache")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="kernel engines to sweep, comma-separated: tl, gluon (the tuner keeps the "
+                       "fastest correct config; default: %(default)s)")
+  ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)  # the child
+  return ap
+
+
+def parsers() -> list[argparse.ArgumentParser]:
+  """Every command's parser, in the order --help lists them."""
+  from jax_autooverlap.bench import calibrate
+  from jax_autooverlap.bench.loopback import cli as loopback_cli
+  from jax_autooverlap.bench.model import cli as model_cli
+  return [parser(), loopback_cli.parser(), model_cli.parser(), calibrate.parser()]
+
+
+def full_help() -> str:
+  return "\n\n".join([USAGE + "\n" + COMMANDS] + [p.format_help() for p in parsers()])
+
+
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["calibrate"]:  # the cost model's calibration
+  if argv[:1] in (["-h"], ["--help"]):
+    print(full_help())
+    return 0
+  if not argv:
+    print(USAGE + "\n(python -m jax_autooverlap.bench --help: every command and option)",
+          file=sys.stderr)
+    return 2
+  if argv[:1] == ["calibrate"]:
     from jax_autooverlap.bench import calibrate
     return calibrate.main(argv[1:])
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])
-  if "--loopback" in argv:  # one GPU: bench/loopback.py
+  if "--loopback" in argv:
     from jax_autooverlap.bench import loopback
     return loopback.main(argv)
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench",
-                               epilog="python -m jax_autooverlap.bench model --help: the "
-                                      "end-to-end training-step benchmark; ... calibrate --help: "
-                                      "the cost model's calibration")
-  ap.add_argument("op", choices=["ag", "rs"])
-  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                  help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
-                       "dim, N columns of w; M and N divisible by the GPU count), e.g. "
-                       "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--iters", type=int, default=20)
-  ap.add_argument("--out", default="bench/results")
-  ap.add_argument("--no-rivals", action="store_true")
-  ap.add_argument("--no-cache", action="store_true",
-                  help="do not record the verdicts in the user's tuning cache")
-  ap.add_argument("--engines", default="tl,gluon",
-                  help="kernel engines to sweep, comma-separated: tl, gluon (the tuner keeps the "
-                       "fastest correct config)")
-  ap.add_argument("--windowed-only", action="store_true", help=argparse.SUPPRESS)
+  ap = parser()
   args = ap.parse_args(argv)
   shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
 
@@ -329,10 +352,10 @@ def main(argv=None):
   rs_sweep = [KernelConfig(**{**base.__dict__, "chunks": c, "engine": e})
               for e in engines for c in (4, 16)]
   date = datetime.date.today().isoformat()
-  gpu, versions = _gpu_name(), _versions()
+  gpu, versions = common.gpu_name(), common.versions()
   records, windowed = [], {}
   if not args.no_rivals:
-    _log("xla_windowed (separate process)")
+    log("xla_windowed (separate process)")
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS))
     proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", args.op, "--windowed-only",
                            "--shapes", args.shapes, "--dtype", args.dtype, "--iters",
@@ -340,7 +363,7 @@ def main(argv=None):
     if proc.returncode == 0:
       windowed = json.loads(proc.stdout.strip().splitlines()[-1])
     else:
-      _log(f"xla_windowed failed: {proc.stderr[-500:]}")
+      log(f"xla_windowed failed: {proc.stderr[-500:]}")
   rows = []
   for m, k, n in shapes:
     if args.op == "ag":

@@ -29,7 +29,10 @@ import itertools
 import json
 import pathlib
 import sys
+import tempfile
 import time
+
+from jax_autooverlap.bench import common
 
 GEMM_GRID = ((1024, 2048, 4096, 8192, 16384, 32768),  # M
              (1024, 2048, 4096, 8192, 16384, 32768),  # N
@@ -45,13 +48,11 @@ AG_SWEEP = ((4, 8), (8, 16), (8, 32))  # (chunks, movers)
 RS_SWEEP = ((4, 8), (16, 8))
 SMOKE = dict(grid=((64, 128), (64, 128), (64, 128)), group_shapes=((64, 128, 128),),
              ag_sweep=((2, 8),), rs_sweep=((2, 8),), num_sms=132)
+log = common.logger("calibrate")
 
 
-def _log(msg):
-  print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _random(shape, dtype, seed, sharding):
+def random_array(shape, dtype, seed, sharding):
+  """A standard-normal array of `dtype` (drawn in f32) placed with `sharding`."""
   import jax
   import numpy as np
   x = jax.random.normal(jax.random.key(seed), shape, np.float32).astype(dtype)
@@ -85,20 +86,20 @@ def gemm_sweep(device, grid, dtype, max_flop=MAX_GEMM_FLOP, time_limit_s=None):
 
   def operand(shape):
     if shape not in operands:
-      operands[shape] = [_random(shape, dtype, hash(shape) % 10_000 + i, device) for i in range(2)]
+      operands[shape] = [random_array(shape, dtype, hash(shape) % 10_000 + i, device) for i in range(2)]
     return operands[shape]
 
   dot = jax.jit(lambda a, b: a @ b)
   out = []
   for i, (m, n, k) in enumerate(shapes):
     if time_limit_s is not None and time.monotonic() - start > time_limit_s:
-      _log(f"gemm: time limit {time_limit_s:.0f} s reached, {len(shapes) - i} grid shapes left")
+      log(f"gemm: time limit {time_limit_s:.0f} s reached, {len(shapes) - i} grid shapes left")
       break
     a, b = operand((m, k)), operand((k, n))
     ms = time_call(dot, list(zip(a, b)))
     out.append((m, n, k, ms))
-    _log(f"gemm {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms, "
-         f"{2.0 * m * n * k / (ms * 1e9):.0f} TFLOP/s")
+    log(f"gemm {i + 1}/{len(shapes)} {m}x{n}x{k}: {ms:.4f} ms, "
+        f"{2.0 * m * n * k / (ms * 1e9):.0f} TFLOP/s")
   return out
 
 
@@ -121,15 +122,15 @@ def kernel_sweep(device, dtype, tiles=KERNEL_TILES, shapes=KERNEL_SHAPES):
     body = lambda a, b, cfg=cfg: tb.ag_gemm(a, b, axis_name="x", mesh=mesh, kernel=cfg,
                                             out_dtype=dtype, return_gathered=False, timeout_s=10.0)
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
-    sets = [(_random((m, k), dtype, 7 + i, NamedSharding(mesh, P("x"))),
-             _random((k, n), dtype, 17 + i, NamedSharding(mesh, P()))) for i in range(2)]
+    sets = [(random_array((m, k), dtype, 7 + i, NamedSharding(mesh, P("x"))),
+             random_array((k, n), dtype, 17 + i, NamedSharding(mesh, P()))) for i in range(2)]
     try:
       ms = time_call(f, sets)
     except Exception as e:  # noqa: BLE001 - the kernel part is optional: say why it is missing
-      _log(f"kernel {bm}x{bn}x{bk} {m}x{n}x{k} failed: {type(e).__name__}: {str(e)[:300]}")
+      log(f"kernel {bm}x{bn}x{bk} {m}x{n}x{k} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
     out.append((cfg, m, n, k, ms))
-    _log(f"kernel {bm}x{bn}x{bk} on one GPU {m}x{n}x{k}: {ms:.4f} ms")
+    log(f"kernel {bm}x{bn}x{bk} on one GPU {m}x{n}x{k}: {ms:.4f} ms")
   return out
 
 
@@ -165,7 +166,7 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
       body = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
       gemm_specs, remote = specs, (world - 1) * (m // world) * n
     program = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
-    sets = [tuple(_random(shape, dtype, 100 + 2 * i + j, NamedSharding(mesh, spec))
+    sets = [tuple(random_array(shape, dtype, 100 + 2 * i + j, NamedSharding(mesh, spec))
                   for j, (shape, spec) in enumerate((((m, k), specs[0]), ((k, n), specs[1]))))
             for i in range(2)]
     rec = lambda impl, ms, **extra: records.append(
@@ -191,35 +192,46 @@ def group_records(devices, shapes, ag_sweep, rs_sweep, dtype, gpu_name, smoke=Fa
       fused = ao.jit(program, overlap_config=oc)
       try:
         got = np.asarray(fused(*sets[0]), np.float32)
-        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        err = common.rel_err(got, want)
         if err > 2e-2:
           raise ValueError(f"relative error {err:.2e} against the unfused program")
         ms = time_call(fused, sets)
       except Exception as e:  # noqa: BLE001 - report, keep calibrating
-        _log(f"{op} {m}x{k}x{n} chunks={chunks} movers={movers} failed: {type(e).__name__}: "
-             f"{str(e)[:300]}")
+        log(f"{op} {m}x{k}x{n} chunks={chunks} movers={movers} failed: {type(e).__name__}: "
+            f"{str(e)[:300]}")
         continue
       rec("ours", ms, kernel={f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
     config = lambda r: (f" c{r['kernel']['chunks']} m{r['kernel']['num_comm']}"
                         if "kernel" in r else "")
-    _log(f"{op} {m}x{k}x{n}: " + ", ".join(
+    log(f"{op} {m}x{k}x{n}: " + ", ".join(
         f"{r['impl']}{config(r)} {r['median_ms']:.3f}" for r in records
         if (r["op"], r["m"], r["k"], r["n"]) == (op, m, k, n)))
   return records
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench calibrate")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--out", default="bench/results")
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench calibrate",
+      description="Calibrate the cost model on this machine: cuBLAS GEMM rates and the kernel's "
+                  "tile costs on one GPU, the group's parameters on all local GPUs (>= 2); "
+                  "writes them into the user's tuning cache and a calibration JSON.")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--out", default=None,
+                  help="directory of the JSON output (default: bench/results; with --smoke a new "
+                       "temporary directory)")
   ap.add_argument("--no-cache", action="store_true", help="do not write the user's tuning cache")
   ap.add_argument("--no-kernel", action="store_true", help="skip the kernel timing on one GPU")
   ap.add_argument("--single-gpu", action="store_true", help="only the single-GPU part")
   ap.add_argument("--devices", type=int, help="group size of the multi-GPU part (default: all)")
   ap.add_argument("--gemm-time-limit-s", type=float, default=150.0,
-                  help="stop the GEMM grid after this long (it is timed coarse steps first)")
+                  help="stop the GEMM grid after this long (it is timed coarse steps first; "
+                       "default: %(default)s)")
   ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU devices allowed (tests)")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
 
   import jax
   import numpy as np
@@ -242,10 +254,10 @@ def main(argv=None):
   date = datetime.date.today().isoformat()
   grid = SMOKE["grid"] if args.smoke else GEMM_GRID
   world = len(devices) if not args.single_gpu else 1
-  _log(f"{kind}: {len(devices)} device(s), {num_sms} SMs, {dtype.name}")
+  log(f"{kind}: {len(devices)} device(s), {num_sms} SMs, {dtype.name}")
 
   floor = dispatch_floor_ms(devices[0])
-  _log(f"host dispatch floor {floor:.4f} ms per call")
+  log(f"host dispatch floor {floor:.4f} ms per call")
   gemm_raw = gemm_sweep(devices[0], grid, dtype, time_limit_s=args.gemm_time_limit_s)
   # GEMMs shorter than twice the dispatch floor measured the host, not the GPU (kept in
   # the measurements, left out of the model); the smoke run keeps all (all are host-bound).
@@ -276,7 +288,8 @@ def main(argv=None):
     if not tiles:  # no kernel timing on one GPU: the tile costs come from the group fit
       params["gemm"][dtype.name]["tiles"] = fitted["gemm"][dtype.name]["tiles"]
 
-  out_dir = pathlib.Path(args.out)
+  out_dir = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="ao-bench-calibrate-smoke-")
+                                       if args.smoke else "bench/results"))
   tag = f"{kind.replace(' ', '-')}-x{world}-{date}"
   path = out_dir / f"calibration-{tag}{'-smoke' if args.smoke else ''}.json"
   store.write_json_atomic(path, {**params, "measurements": {
@@ -288,7 +301,7 @@ def main(argv=None):
     old = json.loads(cache.read_text()) if cache.exists() else {}
     store.write_json_atomic(cache, cost_model.merge_params(old, params))
     cost_model.clear_cache()
-    _log(f"parameters recorded in {cache} (the planner reads them from the next process on)")
+    log(f"parameters recorded in {cache} (the planner reads them from the next process on)")
 
   print(f"cuBLAS GEMM on one {kind}, {dtype.name}: measured vs model (ms)")
   print(f"{'M':>6} {'N':>6} {'K':>6} {'measured':>9} {'model':>9} {'TFLOP/s':>8}")

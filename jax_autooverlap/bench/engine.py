@@ -5,8 +5,8 @@
 
 Shapes are LOCAL GEMMs M x K x N (by default the eight of the loopback benchmark's
 reference shapes: what one GPU computes in AG+GEMM and GEMM+RS).  Contestants, run
-interleaved (bench/loopback.py's time_interleaved: CUPTI device time, per round the mean
-per call, then the median over rounds): `gemm_alone` (XLA, cuBLAS) and the engine
+interleaved (bench/timing.py: CUPTI device time, per round the mean per call, then the
+median over rounds): `gemm_alone` (XLA, cuBLAS) and the engine
 (kernels/gluon_gemm.py) with each named config of CONFIGS.  Every engine config is first
 checked against XLA's f32-accumulated GEMM (relative error); a wrong one is not timed.
 Prints a table (ratio to cuBLAS), writes <gpu>-x1-<date>-engine<tag>.json.
@@ -19,46 +19,26 @@ import json
 import pathlib
 import sys
 
+from jax_autooverlap.bench import common, timing
+from jax_autooverlap.bench.loopback.programs import engine_program, gemm_program
+
 # (M, K, N) of one GPU: AG's [M, K] @ [K, N/2] and RS's [M, K/2] @ [K/2, N] of the reference shapes
 DEFAULT_SHAPES = ["4096x8192x4096", "16384x8192x4096", "16384x8192x14336", "8192x4096x2048",
                   "4096x4096x8192", "16384x4096x8192", "16384x4096x28672", "8192x2048x4096"]
-# name -> KernelConfig fields (engine="gluon"); the ping-pong schedule measured on 2026-12-01
-# (bench/NOTES.md) was not kept
+# name -> KernelConfig fields (engine="gluon").  The other schedules and variants measured
+# against these (ping-pong, clusters, stream-K, ...) and why they left: docs/NOTES.md
 CONFIGS = {
     "coop-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3),
     "coop-128x128-s4": dict(block_m=128, block_n=128, num_warps=8, num_stages=4),
-    # the two consumer warpgroups as two partitions (kernels/gluon_gemm_wg.py, an experiment)
-    "wg-128x256-s3": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                          wg_partitions=True),
-    # 2-CTA clusters, B multicast, ping-pong warpgroups with a block_m x block_n tile each
-    # (kernels/gluon_gemm_mc.py, an experiment; triton >= 3.7)
-    "mc-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True),
-    "mc-128x128-s4": dict(block_m=128, block_n=128, num_stages=4, cluster=True),
-    "mc-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True),
-    # the same kernel and schedule without clusters (each CTA loads its own B): the baseline
-    "pp-128x128-s5": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1),
-    "pp-64x256-s4": dict(block_m=64, block_n=256, num_stages=4, cluster=True, ctas=1),
-    # one proxy fence before warp_specialize instead of one per k-block in each loop
-    # (gluon_engine.setup_fence, an experiment)
-    "coop-128x256-s3-fence": dict(block_m=128, block_n=256, num_warps=8, num_stages=3,
-                                  setup_fence=True),
-    "mc-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True,
-                                setup_fence=True),
-    "pp-128x128-s5-fence": dict(block_m=128, block_n=128, num_stages=5, cluster=True, ctas=1,
-                                setup_fence=True),
 }
 MAX_REL_ERR = 2e-2
-
-
-def _log(msg):
-  print(f"[engine] {msg}", file=sys.stderr, flush=True)
+log = common.logger("engine")
 
 
 def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, calls: int,
                 dtype="bfloat16") -> list[dict]:
   import jax
   import jax.numpy as jnp
-  from jax_autooverlap.bench import loopback as lb
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.tuning.config import KernelConfig
   num_sms = cuda.sm_count(device.local_hardware_id)
@@ -70,45 +50,28 @@ def bench_shape(m: int, k: int, n: int, configs: dict, device, rounds: int, call
                            device))
   dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   a, b = operands(m * 7 + k * 3 + n)
-  contestants = {"gemm_alone": (lb.gemm_program(), (a, b), None)}
+  contestants = {"gemm_alone": (gemm_program(), (a, b), None)}
   errors = {}
   for name, fields in configs.items():
     try:
-      fields = dict(fields)
-      if fields.pop("cluster", False):
-        program, kernel_name = _cluster_program(num_sms, **fields), "gluon_gemm_mc_kernel"
-      else:
-        setup_fence = fields.pop("setup_fence", False)  # launch_gemm's, not KernelConfig's
-        cfg = KernelConfig(engine="gluon", **fields)
-        program = lb.engine_program(cfg, num_sms, setup_fence=setup_fence)
-        kernel_name = "gluon_gemm_wg_kernel" if cfg.wg_partitions else "gluon_gemm_kernel"
+      program = engine_program(KernelConfig(engine="gluon", **fields), num_sms)
       # checked on operands of its own: XLA may hand a contestant the freed output buffer of
       # the one before, which holds the right product of shared operands even if nothing
       # is written (seen with a diagnostic kernel that skipped its stores)
       a_check, b_check = operands(m * 7 + k * 3 + n + 1 + len(errors))
-      errors[name] = lb._rel_err(program(a_check, b_check), dot(a_check, b_check))
+      errors[name] = common.rel_err(program(a_check, b_check), dot(a_check, b_check))
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
-      _log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
+      log(f"{m}x{k}x{n} {name} failed: {type(e).__name__}: {str(e)[:300]}")
       continue
     ok = errors[name] <= MAX_REL_ERR
-    _log(f"{m}x{k}x{n} {name}: rel. error {errors[name]:.2e} -> {'ok' if ok else 'WRONG, not timed'}")
+    log(f"{m}x{k}x{n} {name}: rel. error {errors[name]:.2e} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[name] = (program, (a, b), (kernel_name,))
-  with lb._ClockSampler() as clocks:
-    timed = lb.time_interleaved(contestants, rounds, calls)
+      contestants[name] = (program, (a, b), ("gluon_gemm_kernel",))
+  with timing.ClockSampler() as clocks:
+    timed = timing.time_interleaved(contestants, rounds, calls)
   return [{"impl": "gemm_alone" if name == "gemm_alone" else "engine_alone", "config": name,
            "kernel": configs.get(name, {}), "rel_err": errors.get(name), "median_ms": round(ms, 4),
            **info, **clocks.summary()} for name, (ms, info) in timed.items()]
-
-
-def _cluster_program(num_sms: int, block_m: int, block_n: int, num_stages: int, ctas: int = 2,
-                     setup_fence: bool = False):
-  import jax
-  from jax_autooverlap.backends.gluon import launch_gemm_cluster
-  return jax.jit(lambda a, b: launch_gemm_cluster(a, b, block_m=block_m, block_n=block_n,
-                                                  stages=num_stages, out_dtype=a.dtype,
-                                                  num_sms=num_sms, ctas=ctas,
-                                                  setup_fence=setup_fence))
 
 
 def format_table(records: list[dict], names) -> str:
@@ -142,17 +105,16 @@ def main(argv=None) -> int:
   if unknown:
     ap.error(f"unknown config(s) {unknown}; known: {list(CONFIGS)}")
   import jax
-  from jax_autooverlap.bench.__main__ import _versions
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if not gpus or str(getattr(gpus[0], "compute_capability", "")) != "9.0":
     print("bench.engine: needs an sm_90 NVIDIA GPU (Hopper)", file=sys.stderr)
     return 2
-  gpu, versions = gpus[0].device_kind.replace(" ", "-"), _versions()
+  gpu, versions = common.gpu_name(gpus[0]), common.versions()
   date = datetime.date.today().isoformat()
   records = []
   for s in args.shapes.split(","):
     m, k, n = map(int, s.split("x"))
-    _log(f"{s}: {len(names)} engine configs + cuBLAS, {args.rounds} rounds x {args.calls} calls")
+    log(f"{s}: {len(names)} engine configs + cuBLAS, {args.rounds} rounds x {args.calls} calls")
     for r in bench_shape(m, k, n, {c: CONFIGS[c] for c in names}, gpus[0], args.rounds, args.calls):
       records.append({"op": "gemm", "m": m, "k": k, "n": n, "local_gemm": [m, k, n],
                       "dtype": "bfloat16", "mode": "engine", **r, "gpu": gpu, "versions": versions,
@@ -164,7 +126,7 @@ def main(argv=None) -> int:
   table = format_table(records, names)
   (out / path.name.replace(".json", ".txt")).write_text(table + "\n")
   print(table)
-  _log(f"wrote {path}")
+  log(f"wrote {path}")
   return 0
 
 

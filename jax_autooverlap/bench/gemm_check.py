@@ -21,6 +21,9 @@ import datetime
 import json
 import pathlib
 import sys
+import tempfile
+
+from jax_autooverlap.bench import common
 
 TOKENS = (2048, 8192, 32768)
 # (model, hidden, ffn, qkv width) with TP=2; Mixtral: the MLP only.
@@ -28,6 +31,7 @@ MODELS = (("llama3-8b", 4096, 14336, 4096 + 2 * 1024), ("llama3-70b", 8192, 2867
           ("mixtral-8x22b-mlp", 6144, 16384, None), ("qwen2-72b", 8192, 29568, 8192 + 2 * 1024))
 TP = 2
 TOLERANCE = 0.05
+log = common.logger("gemm_check")
 
 
 SMOKE_SHAPES = (("smoke a", 64, 128, 64), ("smoke b", 128, 96, 64), ("smoke c", 96, 64, 128))
@@ -50,15 +54,13 @@ def shapes(smoke: bool = False):
   return out
 
 
-def _log(msg):
-  print(f"[gemm_check] {msg}", file=sys.stderr, flush=True)
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.bench.gemm_check")
   ap.add_argument("--params", help="calibration JSON (default: this GPU kind's cached/shipped)")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--out", default="bench/results")
+  ap.add_argument("--out", default=None,
+                  help="directory of the JSON output (default: bench/results; with --smoke a new "
+                       "temporary directory)")
   ap.add_argument("--kernel", action="store_true", help="also the kernel on one GPU (8k tokens)")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes, a CPU device allowed (tests)")
   args = ap.parse_args(argv)
@@ -66,7 +68,7 @@ def main(argv=None):
   import jax
   import numpy as np
 
-  from jax_autooverlap.bench.calibrate import _random, kernel_sweep
+  from jax_autooverlap.bench.calibrate import kernel_sweep, random_array
   from jax_autooverlap.tuning import fit as fitting
   from jax_autooverlap.tuning import model as cost_model
   from jax_autooverlap.tuning import store
@@ -89,19 +91,19 @@ def main(argv=None):
   dot = jax.jit(lambda a, b: a @ b)
   rows = []
   for i, (name, m, n, k) in enumerate(shapes(args.smoke)):
-    sets = [(_random((m, k), dtype, 2 * i + j, gpu), _random((k, n), dtype, 1000 + 2 * i + j, gpu))
+    sets = [(random_array((m, k), dtype, 2 * i + j, gpu), random_array((k, n), dtype, 1000 + 2 * i + j, gpu))
             for j in range(2)]
     ms = time_call(dot, sets)
     pred = gemm.ms(m, n, k)
     rows.append({"name": name, "m": m, "n": n, "k": k, "cublas_ms": round(ms, 5),
                  "model_ms": round(pred, 5), "error": round(pred / ms - 1, 4),
                  "in_fit": (m, n, k) in fitted})
-    _log(f"{i + 1} {name} {m}x{n}x{k}: cuBLAS {ms:.4f} ms, model {pred:.4f} ms")
+    log(f"{i + 1} {name} {m}x{n}x{k}: cuBLAS {ms:.4f} ms, model {pred:.4f} ms")
     del sets
   kernel_rows = []
   tiles = {t: v for t, v in part.get("tiles", {}).items() if "one_gpu_call_us" in v}
   if args.kernel and not tiles:
-    _log("--kernel: no tile costs calibrated on one GPU in these params; kernel check skipped")
+    log("--kernel: no tile costs calibrated on one GPU in these params; kernel check skipped")
   elif args.kernel and gpus:
     kshapes = tuple((m, n, k) for _, m, n, k in shapes() if m == 8192)
     tile_shapes = tuple(tuple(map(int, t.split("x"))) for t in tiles)
@@ -127,7 +129,9 @@ def main(argv=None):
   for r in kernel_rows:
     print(f"kernel {r['tile']} {r['m']}x{r['n']}x{r['k']}: {r['kernel_ms']:.4f} ms, model "
           f"{r['model_ms']:.4f} ms ({r['error'] * 100:+.1f} %)")
-  out = pathlib.Path(args.out) / f"gemm-check-{kind.replace(' ', '-')}-{datetime.date.today()}.json"
+  out_dir = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="ao-bench-gemm-check-smoke-")
+                                       if args.smoke else "bench/results"))
+  out = out_dir / f"gemm-check-{kind.replace(' ', '-')}-{datetime.date.today()}.json"
   store.write_json_atomic(out, {"device_kind": kind, "dtype": dtype.name,
                                  "params_source": part.get("source"), "tolerance": TOLERANCE,
                                  "within": within, "checked": len(checked), "cublas": rows,

@@ -25,6 +25,9 @@ import pathlib
 import sys
 import time
 
+from jax_autooverlap.bench import common
+
+log = common.logger("launch_cost")
 
 def _sync_us(fn, args, calls):
   """Median wall time of one call waited for."""
@@ -134,7 +137,7 @@ def main(argv=None):
   # Rounds interleave the programs, so that a slow phase of the host hits them all alike.
   sync, asyn = {n: [] for n in progs}, {n: [] for n in progs}
   for r in range(args.rounds):
-    print(f"[launch_cost] round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    log(f"round {r + 1}/{args.rounds}")
     for name, (fn, fargs) in progs.items():
       sync[name].append(_sync_us(fn, fargs, args.calls // args.rounds))
       asyn[name].append(_async_us(fn, fargs))

@@ -8,7 +8,7 @@ canonical form, and the helpers the VJPs use on canonical operands.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np

@@ -1,12 +1,13 @@
 """Fit the cost model (tuning/model.py) on benchmark records, and check it leave-one-shape-out.
 
-    python -m jax_autooverlap.tuning.fit [--records bench/results] [--gemm CALIBRATION.json]
+    python -m jax_autooverlap.tuning.fit [--records bench/records] [--gemm CALIBRATION.json]
         [--out jax_autooverlap/tuning/data/model_NVIDIA-H200.json] [--check]
 
 Records are what `python -m jax_autooverlap.bench ag|rs` (and the multi-GPU
 part of `calibrate`) write: per shape the unfused program, ours (one record
 per kernel config timed), the local GEMM alone and the remote bytes moved
-alone.  From them:
+alone (fields: bench/records/README.md, where the shipped model's records are).
+From them:
   - cuBLAS GEMM rates: the `gemm_alone` records (unless single-GPU calibration
     points are given), leaving out calls too short to be timed from the host;
   - collective curves: unfused - the GEMM model at the same shape, per byte count;
@@ -88,21 +89,26 @@ class Shape:
     return f"{self.op} {self.m}x{self.k}x{self.n}"
 
 
+def record_files(paths) -> list[pathlib.Path]:
+  """The JSON files of `paths`: files as given, directories by their *.json (not recursive)."""
+  return [f for p in map(pathlib.Path, paths)
+          for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+
+
 def load_records(paths) -> list[dict]:
   """Benchmark records from JSON files or directories of them: the benchmark's record lists
   and the records inside calibration files (other JSON is skipped, and so are loopback
   records: one GPU standing in for a group, not a group's timing; and fused-kernel records of
   an engine other than `tl`: the model's tile costs and movers describe the tl kernels)."""
   out = []
-  for p in map(pathlib.Path, paths):
-    for f in (sorted(p.glob("*.json")) if p.is_dir() else [p]):
-      data = json.loads(f.read_text())
-      if isinstance(data, dict):
-        data = data.get("measurements", {}).get("records", [])
-      if isinstance(data, list):
-        out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)
-                and r.get("mode") != "loopback"
-                and (r.get("kernel") or {}).get("engine", "tl") == "tl"]
+  for f in record_files(paths):
+    data = json.loads(f.read_text())
+    if isinstance(data, dict):
+      data = data.get("measurements", {}).get("records", [])
+    if isinstance(data, list):
+      out += [r for r in data if isinstance(r, dict) and {"op", "impl", "median_ms"} <= set(r)
+              and r.get("mode") != "loopback"
+              and (r.get("kernel") or {}).get("engine", "tl") == "tl"]
   return out
 
 
@@ -344,7 +350,8 @@ def table(checks: list[Check]) -> str:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jax_autooverlap.tuning.fit")
-  ap.add_argument("--records", nargs="+", default=["bench/results"])
+  ap.add_argument("--records", nargs="+", default=["bench/records"],
+                  help="record JSON files or directories of them (default: %(default)s)")
   ap.add_argument("--gemm", help="single-GPU calibration JSON (its GEMM points and tile costs)")
   ap.add_argument("--num-sms", type=int, default=132)
   ap.add_argument("--out", help="write the params of the (single) GPU kind here")
@@ -360,7 +367,9 @@ def main(argv=None):
       return 2
     from jax_autooverlap.tuning.store import write_json_atomic
     (p,) = params.values()
-    inputs = {"records": args.records, "gemm": args.gemm}  # the test re-fits from these
+    # the files read, not the directories: a record committed later does not change what the
+    # shipped parameters are the fit of (tests/test_cost_model.py re-fits from these)
+    inputs = {"records": [f.as_posix() for f in record_files(args.records)], "gemm": args.gemm}
     write_json_atomic(pathlib.Path(args.out), {**p, "fit_inputs": inputs,
                                                "written": datetime.date.today().isoformat()})
     print(f"wrote {args.out}")

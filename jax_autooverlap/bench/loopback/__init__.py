@@ -1,0 +1,45 @@
+"""Loopback benchmark: a fused kernel's compute path on ONE GPU, against cuBLAS doing the same work.
+
+    python -m jax_autooverlap.bench ag|rs --loopback [--shapes 4096x8192x8192,...] [--out DIR]
+
+The fused kernel runs as rank 0 of a group of two (world 2) whose peer is a
+second workspace buffer on the same GPU (fixture.py):
+  ag  the peer's shard is already in rank 0's gather buffer and its arrival
+      counters are set (kernels/loopback.py), so remote tiles never wait;
+      rank 0's pushes land in the second buffer;
+  rs  the peer's partial tiles of rank 0's rows are already in rank 0's
+      slots, counters set; rank 0's pushes of the peer's tiles land in the
+      second buffer.
+So the tile order, the waits (their first poll), the epilogue and the push
+(at same-GPU bandwidth, not NVLink) are timed, without a second GPU.
+
+Shapes are global M x K x N of the two-GPU op (as in `python -m
+jax_autooverlap.bench`); the local work of one GPU is
+  ag  [M, K] @ [K, N/2]   (its shard is M/2 of the M rows)
+  rs  [M, K/2] @ [K/2, N] (it owns M/2 output rows)
+Contestants (programs.py), run interleaved (rounds of back-to-back calls of each in turn):
+  gemm_alone  the local GEMM through XLA (cuBLAS)
+  ours        the fused kernel with the engine the tuner would pick: the
+              fastest correct engine of this run (field `engine`; GEMM+RS on the
+              Gluon engine with and without a consumer partition per warpgroup,
+              as autotuning times it: field `kernel`)
+  ours_tl     the fused kernel with the plain `tl` engine
+  engine_alone  the Gluon engine's plain GEMM (kernels/gluon_gemm.py) on the same
+              local work, same tiles: what the fused kernel costs over its engine
+              (in the table; its records go to *-engine-alone.json with mode "engine",
+              so the *-loopback.json records are gemm_alone, ours and ours_tl)
+Times are device times of the contestant's kernels (bench/timing.py: jax.profiler,
+CUPTI), without the loopback set-up kernel: per round the mean per call, then the
+median over rounds (`round_ms` keeps every round: the spread, e.g. under the
+power cap; `kernels` the kernel names counted).  Without device events (no
+CUPTI) wall-clock batches are used instead (field `timing`).  Every fused contestant is first checked
+against the unfused computation (jnp on the same GPU): its output, and what
+it pushed into the peer's buffer; a wrong one is reported and not timed.
+The records' fields: bench/records/README.md.
+"""
+from jax_autooverlap.bench.loopback.cli import bench_case, kernel_configs, main, trace_case
+from jax_autooverlap.bench.loopback.fixture import WORLD, Case, Loopback
+from jax_autooverlap.bench.loopback.programs import engine_program, fused_program, gemm_program
+
+__all__ = ["WORLD", "Case", "Loopback", "fused_program", "engine_program", "gemm_program",
+           "kernel_configs", "bench_case", "trace_case", "main"]

@@ -1,0 +1,243 @@
+"""The loopback benchmark's runs, table and command line (`python -m jax_autooverlap.bench ag|rs
+--loopback`; the method: this package's docstring)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from jax_autooverlap.bench import common, timing
+from jax_autooverlap.bench.loopback.fixture import WORLD, Case, Loopback, np_dtype
+from jax_autooverlap.bench.loopback.programs import engine_program, fused_program, gemm_program
+
+DEFAULT_SHAPES = ["4096x8192x8192", "16384x8192x8192", "16384x8192x28672", "8192x4096x4096"]
+MAX_REL_ERR = 2e-2
+log = common.logger("loopback")
+
+
+def kernel_configs(case: Case, device_kind: str, engines) -> dict:
+  """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
+  verdict, else the default), with each engine."""
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import OverlapConfig
+  dtype = np_dtype(case.dtype)
+  if case.op == "ag":
+    v = select.choose_ag(OverlapConfig(), device_kind, WORLD, case.m // WORLD, case.k,
+                         case.n // WORLD, dtype, dtype)
+  else:
+    v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
+                         dtype, dtype)
+  base = v.kernel or select.default_kernel(dtype)
+  out = {}
+  for engine in engines:
+    try:
+      cfg = dataclasses.replace(base, engine=engine)
+    except ValueError as e:  # the tuner's tiles do not fit this engine
+      log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
+      continue
+    # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
+    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
+                             cfg)
+    if why is None:
+      out[engine] = cfg
+    else:
+      log(f"{case.op} {case.label}: engine {engine} skipped: {why}")
+  return out
+
+
+def kernel_names(engine: str, op: str) -> tuple[str, ...]:
+  """Substrings of the fused kernel's name in the profiler (the @jit function's name)."""
+  if engine == "tl":
+    return ("ag_gemm_kernel",) if op == "ag" else ("gemm_rs_kernel",)
+  return (f"gluon_{op}_gemm_kernel",) if op == "ag" else ("gluon_gemm_rs_kernel",)
+
+
+def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
+  """Records of one case: gemm_alone, ours_tl, engine_alone and ours (the fastest of the fused
+  variants autotuning times: each engine, and for GEMM+RS the Gluon engine with a consumer
+  partition per warpgroup too)."""
+  from jax_autooverlap.runtime import cuda
+  lb = Loopback(case, device)
+  num_sms = cuda.sm_count(device.local_hardware_id)
+  configs = kernel_configs(case, device.device_kind, engines)
+  contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
+  if "gluon" in configs:
+    contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
+                                   ("gluon_gemm_kernel",))
+  variants = dict(configs)
+  if case.op == "rs" and "gluon" in configs:
+    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
+  for engine, cfg in variants.items():
+    program = fused_program(case, cfg, num_sms)
+    try:
+      checks[engine] = lb.check(program)
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+      log(f"{case.op} {case.label} engine {engine} failed: {type(e).__name__}: {str(e)[:400]}")
+      continue
+    ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
+          and checks[engine]["bit_identical_repeat"])
+    log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
+        f"{'ok' if ok else 'WRONG, not timed'}")
+    if ok:
+      contestants[engine] = (program, lb.fused_args(),
+                             kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))
+  with timing.ClockSampler() as clocks:
+    timed = timing.time_interleaved(contestants, rounds, calls)
+  variants_timed = [e for e in variants if e in timed]
+  records = [("gemm_alone", timed["gemm_alone"], {})]
+  if "tl" in timed:
+    records.append(("ours_tl", timed["tl"], {"engine": "tl", **checks["tl"]}))
+  if "engine_alone" in timed:
+    records.append(("engine_alone", timed["engine_alone"], {"engine": "gluon"}))
+  if variants_timed:
+    best = min(variants_timed, key=lambda e: timed[e][0])
+    records.append(("ours", timed[best], {"engine": variants[best].engine, **checks[best],
+                                          "kernel": dataclasses.asdict(variants[best])}))
+  for e in variants:
+    if e != "tl" and e in timed:
+      log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
+  return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
+          for impl, (ms, info), extra in records]
+
+
+def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
+  """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
+  Gluon kernel on this case (the config bench_case times): the timeline of the last of `calls`
+  calls (bench/timeline.py)."""
+  import jax
+  from jax_autooverlap.bench import timeline
+  from jax_autooverlap.runtime import cuda
+  lb = Loopback(case, device)
+  num_sms = cuda.sm_count(device.local_hardware_id)
+  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
+  if cfg is None:
+    return {}, {}
+  rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
+  cols = case.n // WORLD if case.op == "ag" else case.n
+  per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
+  if case.op == "ag":
+    kind = lambda t: "local" if t < per_source else "peer"
+  else:
+    kind = lambda t: "own" if t >= (WORLD - 1) * per_source else "remote"
+  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
+          "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
+  summaries, raw = {}, {}
+  for name, (fn, args, k) in runs.items():
+    for _ in range(calls):
+      _, trace = jax.block_until_ready(fn(*args))
+    raw[name] = np.asarray(trace)
+    summaries[name] = timeline.summarize(raw[name], k)
+    log(f"{case.op} {case.label} {name} timeline: {summaries[name]}")
+  return summaries, raw
+
+
+def format_table(op: str, records: list[dict]) -> str:
+  by_shape: dict = {}
+  for r in records:
+    by_shape.setdefault((r["m"], r["k"], r["n"]), {})[r["impl"]] = r
+  title = "AllGather+GEMM" if op == "ag" else "GEMM+ReduceScatter"
+  lines = [f"{title} loopback (one GPU, world {WORLD}), ms, device time per call (median)",
+           "  ".join(f"{h:>16}" for h in ("shape MxKxN", "local GEMM", "gemm_alone", "ours",
+                                           "engine", "ours_tl", "engine_alone", "ours/gemm",
+                                           "tl/gemm", "engine/gemm", "sm MHz min"))]
+  nan = {"median_ms": float("nan")}
+  for (m, k, n), impls in by_shape.items():
+    g, o, t, e = (impls.get(i, nan)["median_ms"]
+                  for i in ("gemm_alone", "ours", "ours_tl", "engine_alone"))
+    local = "x".join(map(str, impls["gemm_alone"]["local_gemm"]))
+    clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
+    shape = f"{m}x{k}x{n}"
+    ours = impls.get("ours", {})
+    engine = ours.get("engine", "-") + ("+wg" if ours.get("kernel", {}).get("wg_partitions") else "")
+    lines.append("  ".join([f"{shape:>16}",
+                            f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
+                            f"{engine:>16}", f"{t:>16.4f}",
+                            f"{e:>16.4f}", f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{e / g:>16.3f}",
+                            f"{clock:>16.0f}"]))
+  return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench",
+      description="One GPU: the fused kernel as rank 0 of a group of two whose peer is a second "
+                  "buffer on the same GPU (its data and arrival counters in place), checked "
+                  "against the unfused result and timed (CUPTI device time, interleaved rounds) "
+                  "against cuBLAS doing the same local GEMM and the Gluon engine's GEMM alone. "
+                  "Writes *-loopback.json, *-engine-alone.json and a table.")
+  ap.add_argument("op", choices=["ag", "rs"],
+                  help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
+  ap.add_argument("--loopback", action="store_true", required=True,
+                  help="one GPU standing in for a group of two (this mode)")
+  ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                  help="global MxKxN of the two-GPU op, comma-separated (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
+                       "only; default: %(default)s)")
+  ap.add_argument("--rounds", type=int, default=5,
+                  help="interleaved rounds; the time is the median over rounds (default: "
+                       "%(default)s)")
+  ap.add_argument("--calls", type=int, default=20,
+                  help="back-to-back calls per round (default: %(default)s)")
+  ap.add_argument("--tag", default="", help="suffix of the output file names")
+  ap.add_argument("--trace", action="store_true",
+                  help="also record one call's per-tile timeline of the Gluon engine alone and the "
+                       "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
+  ap.add_argument("--out", default="bench/results",
+                  help="directory of the JSON and table (default: %(default)s)")
+  return ap
+
+
+def parse_args(argv):
+  return parser().parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype) for s in args.shapes.split(",")]
+  import jax
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if not gpus:
+    print("bench --loopback: needs an NVIDIA GPU", file=sys.stderr)
+    return 2
+  engines = [e for e in args.engines.split(",") if e]
+  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
+    log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
+    engines.remove("gluon")
+  gpu, versions = common.gpu_name(gpus[0]), common.versions()
+  date = datetime.date.today().isoformat()
+  records, timelines, raw_traces = [], [], {}
+  for case in cases:
+    log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
+      records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
+                      "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
+                      **r, "gpu": gpu, "versions": versions, "date": date})
+    if args.trace and "gluon" in engines:
+      summaries, raw = trace_case(case, gpus[0])
+      for impl, summary in summaries.items():
+        timelines.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "impl": impl,
+                          **summary, "gpu": gpu, "versions": versions, "date": date})
+      raw_traces.update({f"{case.label}/{impl}": t for impl, t in raw.items()})
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = f"{gpu}-x1-{date}-{args.op}"
+  path = out_dir / f"{stem}-loopback{args.tag}.json"
+  if timelines:
+    (out_dir / f"{stem}-timeline{args.tag}.json").write_text(json.dumps(timelines, indent=1))
+    np.savez_compressed(out_dir / f"{stem}-timeline{args.tag}.npz", **raw_traces)
+  engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
+  if engine:
+    (out_dir / f"{stem}-engine-alone{args.tag}.json").write_text(json.dumps(engine, indent=1))
+  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+  table = format_table(args.op, records)
+  path.with_suffix(".txt").write_text(table + "\n")
+  print(table)
+  print(f"wrote {path}")
+  return 0

@@ -1,0 +1,71 @@
+"""The loopback's device programs: the fused kernel as rank 0 (after the set-up kernel that
+re-arms the peer's arrival counters, kernels/loopback.py), the Gluon engine's plain GEMM on the
+same local work, and XLA's GEMM (cuBLAS)."""
+from __future__ import annotations
+
+from jax_autooverlap.bench.loopback.fixture import WORLD, Case, np_dtype
+
+
+def _arm(table, compute_capability=None):
+  """The loopback set-up kernel before each fused call (kernels/loopback.py)."""
+  import jax
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.kernels.loopback import loopback_arm_kernel
+  from jax_autooverlap.runtime import workspace
+  jt = import_jax_triton()
+  n = max(table.shape[0], 2 * WORLD * workspace.MAX_CHUNKS)
+  return jt.triton_call(
+      table, kernel=loopback_arm_kernel, name="ao_loopback_arm",
+      out_type=jax.ShapeDtypeStruct(table.shape, table.dtype), grid=(1,), num_warps=4,
+      compute_capability=compute_capability,
+      TABLE_LEN=table.shape[0], WORLD=WORLD, FLAGS_OFF=workspace.FLAGS_OFFSET,
+      MAX_CHUNKS=workspace.MAX_CHUNKS, BLOCK=1 << (n - 1).bit_length())
+
+
+def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
+                  compute_capability: int | None = None, return_gathered: bool = False,
+                  trace: bool = False):
+  """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
+  shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
+  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
+  cc = dict(compute_capability=compute_capability)
+  import functools
+  import jax
+  if trace:  # the Gluon launchers themselves: only they record a timeline
+    from jax_autooverlap.backends import gluon as backend
+  else:
+    from jax_autooverlap.backends import triton as backend
+  if kernel is not None and kernel.wg_partitions and case.op != "rs":
+    raise ValueError("fused_program: wg_partitions is built for GEMM+RS only")
+  extra = dict(trace=True) if trace else {}
+  launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
+  launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
+  dtype = np_dtype(case.dtype)
+
+  def run(a, b, table, rank):
+    table = _arm(table, **cc)  # data dependence: the set-up kernel runs first
+    if case.op == "ag":
+      return launch_ag_gemm(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
+                            return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
+                            **cc)
+    return launch_gemm_rs(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
+                          timeout_s=timeout_s, num_sms=num_sms, **cc)
+  return jax.jit(run)
+
+
+def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
+                   trace: bool = False):
+  """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
+  (trace: (a @ b, the per-tile timeline))."""
+  import jax
+  from jax_autooverlap.backends.gluon import launch_gemm
+
+  def run(a, b):
+    return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
+                       compute_capability=compute_capability, trace=trace)
+  return jax.jit(run)
+
+
+def gemm_program():
+  import jax
+  return jax.jit(lambda a, b: a @ b)
