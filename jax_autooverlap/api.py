@@ -191,8 +191,14 @@ def jit(fun: Callable | None = None, /, *, overlap_config: OverlapConfig | None 
 
 
 def _trace(fun, args, kwargs):
-  """The closed jaxpr of fun called as given (abstract arguments traced, concrete ones taken
-  as they are: static arguments, modules and jit wrappers of any library behave as in a call)."""
+  """The closed jaxpr of fun called as given: a jit wrapper's own `trace` (jax.jit, nnx.jit:
+  static arguments and modules handled as in a call, nothing run or mutated), else fun traced
+  with its abstract arguments, or called under jax.make_jaxpr with its concrete ones."""
+  if callable(getattr(fun, "trace", None)):
+    traced = fun.trace(*args, **kwargs)
+    traced = getattr(traced, "traced", traced)  # nnx.jit's wraps jax's
+    if hasattr(traced, "jaxpr"):
+      return traced.jaxpr
   if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves((args, kwargs))):
     return jax.make_jaxpr(fun)(*args, **kwargs)
   return jax.make_jaxpr(lambda: fun(*args, **kwargs))()

@@ -148,14 +148,17 @@ class Report:
     if not self.matches:
       return "\n".join(["jax_autooverlap: no all_gather/psum_scatter next to a dot_general was "
                         "found."] + [f"  {note}" for note in self.notes])
-    head = ("#", "pass", "kind", "status", "axis", "dim", "lhs", "rhs", "out", "dtype", "path")
+    functions = any(m.function for m in self.matches)  # rows of ao.jit functions in a program
+    head = ("#", *(("function",) if functions else ()), "pass", "kind", "status", "axis", "dim",
+            "lhs", "rhs", "out", "dtype", "path")
     rows, details = [head], []
     for i, m in enumerate(self.matches):
       dim = f"{m.collective_dim}" + (f" ({m.operand} {m.dim_kind})" if m.operand else "")
       axis = f"{m.axis_name}" + (f"={m.axis_size}" if m.axis_size else "")
       kind = m.kind + (" [explicit]" if m.origin == "explicit" else "")
-      rows.append((str(i), m.phase, kind, m.status, axis, dim, _shape(m.lhs_shape),
-                   _shape(m.rhs_shape), _shape(m.out_shape), m.dtype or "-", m.path or "/"))
+      rows.append((str(i), *((m.function or "-",) if functions else ()), m.phase, kind, m.status,
+                   axis, dim, _shape(m.lhs_shape), _shape(m.rhs_shape), _shape(m.out_shape),
+                   m.dtype or "-", m.path or "/"))
       why = [f"impl: {m.impl}" if m.rewritten else f"why: {m.reason}"]
       if m.n_dots > 1:
         why.append(f"{m.n_dots} matmuls share the gather" if m.kind == "ag_matmul" else

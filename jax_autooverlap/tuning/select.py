@@ -36,7 +36,7 @@ MOVERS = (8, 16, 32)
 AUTOTUNE_CANDIDATES = 3
 # Autotuning also times the model's best config on the Gluon engine (sm_90, 16-bit operands),
 # which the model does not rank (its tile costs are the tl kernels'); AG with these mover
-# warps (the Gluon AG push rate grows with the movers: bench/NOTES.md, two H200s), GEMM+RS
+# warps (the Gluon AG push rate grows with the movers: docs/NOTES.md, two H200s), GEMM+RS
 # with and without a consumer partition per warpgroup (0.5-1.1 % faster in loopback).
 GLUON_MOVERS = (32, 64)
 GLUON_RS_WG_PARTITIONS = (False, True)
