@@ -202,8 +202,8 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
 
   BLOCK_M rows of each A stage from row ROW0: the whole stage (the engine's 8-warp consumer
-  partition), or one warpgroup's 64 rows (a partition per warpgroup, kernels/gluon_gemm_wg.py;
-  the empty barriers then count one arrival per partition).
+  partition), or one warpgroup's 64 rows (a partition per warpgroup: GEMM+RS with WG_PARTS = 2,
+  kernels/gluon_gemm_rs.py; the empty barriers then count one arrival per partition).
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
   at most one outstanding group means k-block i-1's MMA is done, so its stage
@@ -287,19 +287,6 @@ def stage_out(acc, c_smem):
   c_smem.store(acc)
   fence_async_shared()
   tl.debug_barrier()
-
-
-@gluon.jit
-def setup_fence(CLUSTER: gl.constexpr = False):
-  """Before warp_specialize: one proxy fence after the setup's generic shared-memory writes
-  (device-side TMA descriptors staged in shared memory, barrier inits), which the operand ring
-  may alias (CLUSTER: at cluster scope, where a peer CTA's TMA writes into it).  Without it
-  triton 3.9's proxy-fence insertion, which cannot see a partition's entry state, puts a
-  `fence.proxy.async` before every TMA load in the producer's loop and before every wgmma in
-  the consumers' loop (seen in the PTX; triton 3.6 puts none there).  An experiment: on one
-  H200 it changed nothing for the cooperative engine and gained 0-2 % for the cluster and
-  ping-pong kernels (bench/NOTES.md)."""
-  fence_async_shared(cluster=CLUSTER)
 
 
 @gluon.jit

@@ -60,8 +60,7 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr,
-                      SETUP_FENCE: gl.constexpr = False):
+                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
@@ -69,8 +68,6 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
   c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  if SETUP_FENCE:   # an experiment (eng.setup_fence); off: the GPU-validated kernel
-    eng.setup_fence()
   gl.warp_specialize([
       (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE)),
