@@ -4,11 +4,11 @@ Same arguments and outputs as the `tl` launchers in backends/triton.py, which
 hand over to these; the kernels keep the same workspace layout and protocol.
 The grid and the per-call constants follow the `tl` launchers; what differs:
 - the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
-  producer warp group (jax-triton launches all of them: _compat.py, fix 3);
+  producer warp group (jax-triton launches all of them: _compat.py, fix 6);
 - the operand ring has kernel.num_stages stages, the consumers' tile is
   block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup);
 - AG+GEMM: the shard is pushed by a mover warp in each of the first
-  kernel.num_comm CTAs, which all compute (backends/triton.py's ag_grid).
+  kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
+from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -42,7 +43,6 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    trace: bool = False):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine; trace: also return the
   consumers' per-tile timeline (kernels/gluon_trace.py; the loopback benchmark's --trace)."""
-  from jax_autooverlap.backends.triton import ag_grid, kernel_constants
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -94,7 +94,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   kernel.wg_partitions: a consumer partition per warpgroup; every rank of the group must
   launch the same, its arrival counters count halves)."""
   wg_partitions = kernel.wg_partitions
-  from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
