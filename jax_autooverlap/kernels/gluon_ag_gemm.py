@@ -33,7 +33,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
-from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
 from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
@@ -204,31 +203,6 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
                        b_bufs, ready, empty, it)
 
 
-@gluon.jit
-def _consumer(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
-              trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, WORLD: gl.constexpr,
-              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
-  BLOCK_M: gl.constexpr = o_desc.block_type.shape[1]
-  BLOCK_N: gl.constexpr = o_desc.block_type.shape[2]
-  trace.start(trace_ptr, TRACE)
-  it = 0
-  j = 0
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  while t < WORLD * TM * TN:
-    trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
-    trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
-    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    eng.stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
-    # 3-D output [src, row, col]: a ragged last tile row of a shard is clipped at its end
-    eng.tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
-    j += 1
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  eng.finish_partition()
-  trace.end(trace_ptr, TRACE)
-
-
 @lean_launch
 @gluon.jit
 def gluon_ag_gemm_kernel(
@@ -271,8 +245,8 @@ def gluon_ag_gemm_kernel(
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
   gl.warp_specialize([
-      (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   rank, trace_ptr, K, BLOCK_K, WORLD, TM, TN, GROUP_M, TRACE)),
+      (eng.compute_and_store, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                               tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
