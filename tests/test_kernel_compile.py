@@ -221,7 +221,7 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
 def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
   """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
   serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
-  and run correctly but slowly (seen on a GEMM+RS variant, bench/NOTES.md)."""
+  and run correctly but slowly (seen on a GEMM+RS variant, docs/NOTES.md)."""
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program(kind, 8192, 4096, 4096))
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report

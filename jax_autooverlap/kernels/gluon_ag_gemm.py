@@ -4,7 +4,8 @@ kernels/ag_gemm.py, with the same workspace protocol and tile order.
     out[src*m + i, :] = a_src[i, :] @ b        for every rank src of the group
 
 Every CTA runs three partitions (`gl.warp_specialize`):
-- the consumers and the producer of the engine (kernels/gluon_engine.py).
+- the consumers and the producer of the engine (kernels/gluon_engine.py; the
+  consumers are its compute_and_store, into the 3-D output [src, rows, cols]).
   The producer warp claims output tiles from the per-call counter in the
   order local shard first, then rank-1, rank-2, ... (the order peers push to
   us); for a peer's tile it first waits (acquire, system scope, bounded by
@@ -84,7 +85,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     # Gather buffers of this call's parity as [src, row, col] of the peer of step i (rank + 1
     # + i, i < WORLD - 1; this rank's shard goes to index rank there), and that peer's arrival
     # counters from this rank: the address table is read once per CTA, and a descriptor
-    # (~0.7 us of the mover's start, bench/NOTES.md) is made per peer, not per rank.
+    # (~0.7 us of the mover's start, docs/NOTES.md) is made per peer, not per rank.
     peer_descs = ()
     peer_flags = ()
     for i in gl.static_range(WORLD - 1):

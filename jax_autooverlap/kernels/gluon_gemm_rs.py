@@ -202,7 +202,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
   # counters from this rank: the address table is read here, once per CTA, not in an
   # epilogue (a load there stalled every remote tile's epilogue by ~800 cycles); the
-  # descriptors cost the CTA's first epilogue ~0.7 us each (bench/NOTES.md): one per peer.
+  # descriptors cost the CTA's first epilogue ~0.7 us each (docs/NOTES.md): one per peer.
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   peer_descs = ()
   peer_flags = ()
