@@ -27,19 +27,13 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
+from ptx_dump import tuner_configs  # noqa: E402
 
 
 def _tuner_configs(op):
-  """(dtype, KernelConfig) pairs the tuner can return for op: defaults and every cached entry."""
-  out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16, np.float32)}
-  for key, entry in select._cache().items():
-    if entry.get("impl") == "triton" and key.startswith(op + "|"):
-      out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
-  for dtype, cfg in list(out):  # every 16-bit config with each engine
-    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
-      for engine in ("tl", "gluon"):
-        out.add((dtype, dataclasses.replace(cfg, engine=engine)))
-  return sorted(out, key=str)
+  """(dtype, KernelConfig) pairs the tuner can return for op (tests/ptx_dump.py's list), less
+  GEMM+RS's warpgroup partitions: test_gemm_rs_with_warpgroup_partitions_compiles has those."""
+  return [dc for dc in tuner_configs(op) if not dc[1].wg_partitions]
 
 
 _ID = lambda dc: (f"{dc[0]}-{dc[1].engine}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}"
