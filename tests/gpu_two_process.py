@@ -57,6 +57,7 @@ def _worker(scenario: str, me: int, port: str):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jax_autooverlap as ao
+  from gpu_config import forced_kernel_config  # beside this script; not conftest (gpu_config.py)
   from jax_autooverlap.runtime import CollectiveTimeoutError, check_errors
   from jax_autooverlap.runtime import rendezvous
 
@@ -92,11 +93,7 @@ def _worker(scenario: str, me: int, port: str):
   want_rs = (f32(H) @ f32(W2))[rows]  # this process's rows of psum_scatter(h @ w2)
 
   timeout = 2.0 if scenario == "missing_peer" else 60.0
-  from jax_autooverlap.tuning.config import KernelConfig
-  engine = os.environ.get("AO_TEST_ENGINE")
-  wg = os.environ.get("AO_TEST_WG_PARTITIONS", "") == "1"
-  cfg = ao.OverlapConfig(impl="triton", timeout_s=timeout,
-                         kernel=KernelConfig(engine=engine, wg_partitions=wg) if engine else None)
+  cfg = ao.OverlapConfig(impl="triton", timeout_s=timeout, kernel=forced_kernel_config())
   ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
   rs = lambda h, w: lax.psum_scatter(h @ w, "x", scatter_dimension=0, tiled=True)
   f_ag = ao.jit(jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")),

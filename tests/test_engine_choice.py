@@ -97,8 +97,8 @@ def test_bench_sweeps_the_engines_asked_for(monkeypatch):
     raise SystemExit(0)
   monkeypatch.setattr(bench, "bench_ag_shape", fake_ag)
   monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(platform="gpu")] * 2)
-  monkeypatch.setattr(bench, "_gpu_name", lambda: "NVIDIA-H200")
-  monkeypatch.setattr(bench, "_versions", lambda: {})
+  monkeypatch.setattr(bench.common, "gpu_name", lambda device=None: "NVIDIA-H200")
+  monkeypatch.setattr(bench.common, "versions", lambda: {})
   with pytest.raises(SystemExit):
     bench.main(["ag", "--no-rivals", "--shapes", "4096x8192x8192", "--engines", "tl"])
   assert {c.engine for c in swept["ag"]} == {"tl"}
@@ -142,3 +142,26 @@ def test_gluon_rs_launch_follows_the_configs_warpgroup_flag(monkeypatch):
     cfg = KernelConfig(engine="gluon", wg_partitions=wg)
     assert gluon.launch_gemm_rs(a, b, "row", "rank", kernel=cfg, **kw) == "out"
   assert [(c["WG_PARTS"], c["num_warps"]) for c in calls] == [(2, 4), (1, 8)]
+
+
+def test_engine_gemm_refuses_warpgroup_partitions():
+  """Warpgroup partitions are GEMM+RS's (WG_PARTS = 2); the engine's GEMM alone has none."""
+  from jax_autooverlap.backends import gluon
+  a = jax.ShapeDtypeStruct((1024, 512), bf16)
+  b = jax.ShapeDtypeStruct((512, 768), bf16)
+  with pytest.raises(ValueError, match="wg_partitions=True"):
+    gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon", wg_partitions=True),
+                      out_dtype=bf16, num_sms=132)
+
+
+def test_no_environment_variable_reaches_a_kernel():
+  """What a launched kernel computes follows from its arguments and config alone: neither the
+  launchers nor the kernels read the environment."""
+  import ast
+  import pathlib
+  import jax_autooverlap
+  root = pathlib.Path(jax_autooverlap.__file__).parent
+  for path in sorted((root / "backends").glob("*.py")) + sorted((root / "kernels").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+      assert name not in ("environ", "getenv", "putenv"), f"{path.name}:{node.lineno} reads {name}"

@@ -3,11 +3,6 @@
 Every check draws fresh random inputs and compares with the unfused JAX
 program (all_gather + dot_general, NCCL + cuBLAS).
 """
-import os
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +11,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
-from conftest import assert_close, fresh_key, randn, triton_config
+from conftest import (assert_close, assert_repeat_calls_identical, assert_scan_runs_the_kernel,
+                      check_command_buffers_off, check_missing_peer, fresh_key, randn,
+                      triton_config)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +23,7 @@ if len(GPUS) < 2:
 
 TRITON = triton_config()
 TF32 = 5e-3  # tf32 products: relative error ~3e-4, summed over K
+AG = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
 
 
 def _mesh():
@@ -42,10 +40,8 @@ def _pair(mesh, m_total, k, n_total, dtype):
 
 def _programs(mesh, config=TRITON):
   specs, out = (P("x"), P(None, "x")), P(None, "x")
-  unfused = jax.jit(jax.shard_map(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w,
-                                  mesh=mesh, in_specs=specs, out_specs=out))
-  fused = ao.jit(jax.shard_map(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w,
-                               mesh=mesh, in_specs=specs, out_specs=out), overlap_config=config)
+  unfused = jax.jit(jax.shard_map(AG, mesh=mesh, in_specs=specs, out_specs=out))
+  fused = ao.jit(jax.shard_map(AG, mesh=mesh, in_specs=specs, out_specs=out), overlap_config=config)
   return unfused, fused
 
 
@@ -100,33 +96,10 @@ def test_back_to_back_calls_and_scan_are_stable():
   mesh = _mesh()
   unfused, fused = _programs(mesh)
   x, w = _pair(mesh, 1024, 1024, 1024, jnp.bfloat16)
-  first = fused(x, w)
-  worst = jnp.zeros((), jnp.float32)
-  for _ in range(10_000):
-    worst = jnp.maximum(worst, jnp.max(jnp.abs(fused(x, w) - first).astype(jnp.float32)))
-  assert float(worst) == 0.0, "repeated calls differ: a race in the kernel"
+  first = assert_repeat_calls_identical(fused, (x, w))
   assert_close(first, unfused(x, w), jnp.bfloat16)
-
-  def steps(mm):
-    def body(x, w):
-      def step(acc, i):
-        return acc + mm(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
-      init = lax.pcast(jnp.zeros((1024, 512), jnp.float32), "x", to="varying")
-      return lax.scan(step, init, jnp.arange(100))[0]
-    return body
-
-  specs = (P("x"), P(None, "x"))
-  ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  scan_f = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")),
-                  overlap_config=TRITON)
-  scan_u = jax.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=specs, out_specs=P(None, "x")))
-  # Default XLA flags: ao.jit compiles with custom calls kept out of CUDA graphs, so the kernel
-  # runs in the loop body too.  Graphs are instantiated on a program's second run: run it 3x.
-  impl = scan_f.explain(x, w).matches[0].impl
-  assert impl.startswith("triton kernel"), impl
-  want = scan_u(x, w)
-  for _ in range(3):
-    assert_close(scan_f(x, w), want, jnp.bfloat16)
+  assert_scan_runs_the_kernel(AG, (1024, 512), (x, w), TRITON, mesh=mesh,
+                              in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
 
 
 def test_kernel_among_many_ops_runs_repeatedly():
@@ -154,87 +127,11 @@ def test_kernel_among_many_ops_runs_repeatedly():
     assert_close(outer(x, w), want, jnp.bfloat16)
 
 
-_SUBPROCESS_PRELUDE = """
-import os, sys
-sys.path.insert(0, {tests!r})
-import jax, jax.numpy as jnp, numpy as np
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
-import jax_autooverlap as ao
-gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
-mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus)
-x = jax.device_put(jax.random.normal(jax.random.key(1), (1024, 1024), jnp.bfloat16), NamedSharding(mesh, P("x")))
-w = jax.device_put(jax.random.normal(jax.random.key(2), (1024, 1024), jnp.bfloat16), NamedSharding(mesh, P(None, "x")))
-"""
-
-
-def _run(script, env_extra=None, timeout=300):
-  env = dict(os.environ, **(env_extra or {}))
-  src = textwrap.dedent(_SUBPROCESS_PRELUDE.format(tests=os.path.dirname(__file__))) + textwrap.dedent(script)
-  return subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True,
-                        timeout=timeout)
-
-
 def test_command_buffers_off():
-  proc = _run("""
-  cfg = ao.OverlapConfig(impl="triton")
-  ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  f = ao.jit(jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")), overlap_config=cfg)
-  u = jax.jit(jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")))
-  first = f(x, w)
-  worst = jnp.zeros((), jnp.float32)
-  for _ in range(10_000):
-    worst = jnp.maximum(worst, jnp.max(jnp.abs(f(x, w) - first).astype(jnp.float32)))
-  want = np.asarray(u(x, w), np.float32)
-  err = np.linalg.norm(np.asarray(first, np.float32) - want) / np.linalg.norm(want)
-  def steps(mm):
-    def body(x, w):
-      def step(acc, i):
-        return acc + mm(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
-      init = lax.pcast(jnp.zeros((1024, 512), jnp.float32), "x", to="varying")
-      return lax.scan(step, init, jnp.arange(100))[0]
-    return body
-  sf = ao.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")), overlap_config=cfg)
-  su = jax.jit(jax.shard_map(steps(ag), mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")))
-  print("SCAN_IMPL", sf.explain(x, w).matches[0].impl)
-  a, b = np.asarray(sf(x, w)), np.asarray(su(x, w))
-  print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-  """, {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="})
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "SCAN_IMPL triton kernel" in proc.stdout, proc.stdout[-2000:]
-  worst, err, scan_err = map(float, proc.stdout.split("RESULT")[1].split())
-  assert worst == 0.0 and err < 2e-2 and scan_err < 2e-2
-
-
-def check_missing_peer(fused_call: str, zeros_shape, specs: str, op_name: str, prelude=""):
-  """Only rank 0 runs the fused op (inside lax.cond): its bounded waits must expire, the call
-  must fail loudly, and check_errors() must name the op, the ranks and the chunk.  (The op is
-  called directly under jax.jit: XLA_FLAGS must keep custom calls out of CUDA graphs.)"""
-  proc = _run(prelude + f"""
-from jax_autooverlap.runtime import check_errors, CollectiveTimeoutError
-cfg = ao.OverlapConfig(impl="triton", timeout_s=2.0)
-def body(x, w):
-  return lax.cond(lax.axis_index("x") == 0, lambda: {fused_call},
-                  lambda: lax.pcast(jnp.zeros({zeros_shape}, jnp.bfloat16), "x", to="varying"))
-f = jax.jit(jax.shard_map(body, mesh=mesh, {specs}))
-try:
-  with ao.runtime.context.use_mesh(mesh):
-    jax.block_until_ready(f(x, w))
-  print("NO ERROR")
-except Exception as e:
-  print("XLA ERROR:", type(e).__name__, str(e)[:300])
-try:
-  check_errors()
-  print("NO RECORD")
-except CollectiveTimeoutError as e:
-  print("TIMEOUT:", e)
-""", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN"}, timeout=240)
-  out = proc.stdout
-  assert "TIMEOUT:" in out, out[-3000:] + proc.stderr[-1500:]
-  assert "XLA ERROR:" in out, out  # the failing call itself raised: no silent garbage
-  assert f"{op_name} over axis 'x'" in out and "from peer rank 1" in out, out
+  check_command_buffers_off('lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w',
+                            'P("x")', 'P(None, "x")', 'P(None, "x")', (1024, 512))
 
 
 def test_missing_peer_times_out_with_error():
-  check_missing_peer('ao.ag_matmul(x, w, "x", config=cfg)', (1024, 512),
-                     'in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")', "ag_matmul")
+  check_missing_peer('ao.ag_matmul(x, w, "x", config=cfg)', (1024, 512), 'P("x")', 'P(None, "x")',
+                     'P(None, "x")', "ag_matmul")

@@ -11,7 +11,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
-from conftest import assert_close, fresh_key, randn, triton_config
+from conftest import (assert_close, assert_repeat_calls_identical, assert_scan_runs_the_kernel,
+                      check_command_buffers_off, check_missing_peer, fresh_key, randn,
+                      triton_config)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,9 +37,9 @@ def _pair(mesh, m, k, n, dtype):
   return x, w
 
 
-def _programs(mesh, body=RS, config=TRITON):
+def _programs(mesh, config=TRITON):
   kw = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
-  return jax.jit(jax.shard_map(body, **kw)), ao.jit(jax.shard_map(body, **kw), overlap_config=config)
+  return jax.jit(jax.shard_map(RS, **kw)), ao.jit(jax.shard_map(RS, **kw), overlap_config=config)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, np.float32])
@@ -73,11 +75,7 @@ def test_every_element_written_and_repeat_calls_identical():
   got = np.asarray(f(x, w), np.float32)
   assert not np.any((got == 0) & (want != 0)), "kernel left output elements unwritten"
   assert_close(got, want, jnp.bfloat16)
-  first = fused(x, w)
-  worst = jnp.zeros((), jnp.float32)
-  for _ in range(10_000):
-    worst = jnp.maximum(worst, jnp.max(jnp.abs(fused(x, w) - first).astype(jnp.float32)))
-  assert float(worst) == 0.0, "repeated calls differ: a race or a non-deterministic reduction"
+  assert_repeat_calls_identical(fused, (x, w))
 
 
 def test_training_step_two_layer_mlp():
@@ -121,59 +119,15 @@ def test_training_step_two_layer_mlp():
 def test_scan_with_default_flags_runs_the_kernel_in_the_body():
   mesh = _mesh()
   x, w = _pair(mesh, 1024, 2048, 1024, jnp.bfloat16)
-
-  def body(x, w):
-    def step(acc, i):
-      return acc + RS(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
-    init = lax.pcast(jnp.zeros((512, 1024), jnp.float32), "x", to="varying")
-    return lax.scan(step, init, jnp.arange(100))[0]
-
-  unfused, fused = _programs(mesh, body)
-  impl = fused.explain(x, w).matches[0].impl
-  assert impl.startswith("triton kernel"), impl
-  want = unfused(x, w)
-  for _ in range(3):
-    assert_close(fused(x, w), want, jnp.bfloat16)
-
-
-_RS_PRELUDE = """
-x = jax.device_put(x, NamedSharding(mesh, P(None, "x")))
-w = jax.device_put(w, NamedSharding(mesh, P("x")))
-RS = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
-kw = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
-"""
+  assert_scan_runs_the_kernel(RS, (512, 1024), (x, w), TRITON, mesh=mesh,
+                              in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
 
 
 def test_command_buffers_off_repeat_calls_and_scan():
-  from test_gpu_ag import _run
-  proc = _run(_RS_PRELUDE + """
-cfg = ao.OverlapConfig(impl="triton")
-f = ao.jit(jax.shard_map(RS, **kw), overlap_config=cfg)
-u = jax.jit(jax.shard_map(RS, **kw))
-first = f(x, w)
-worst = jnp.zeros((), jnp.float32)
-for _ in range(10_000):
-  worst = jnp.maximum(worst, jnp.max(jnp.abs(f(x, w) - first).astype(jnp.float32)))
-want = np.asarray(u(x, w), np.float32)
-err = np.linalg.norm(np.asarray(first, np.float32) - want) / np.linalg.norm(want)
-def body(x, w):
-  def step(acc, i):
-    return acc + RS(x * (1 + i.astype(x.dtype) / 64), w).astype(jnp.float32), None
-  init = lax.pcast(jnp.zeros((512, 1024), jnp.float32), "x", to="varying")
-  return lax.scan(step, init, jnp.arange(100))[0]
-sf, su = ao.jit(jax.shard_map(body, **kw), overlap_config=cfg), jax.jit(jax.shard_map(body, **kw))
-print("SCAN_IMPL", sf.explain(x, w).matches[0].impl)
-a, b = np.asarray(sf(x, w)), np.asarray(su(x, w))
-print("RESULT", float(worst), err, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
-""", {"XLA_FLAGS": " --xla_gpu_enable_command_buffer="})
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "SCAN_IMPL triton kernel" in proc.stdout, proc.stdout[-2000:]
-  worst, err, scan_err = map(float, proc.stdout.split("RESULT")[1].split())
-  assert worst == 0.0 and err < 2e-2 and scan_err < 2e-2
+  check_command_buffers_off('lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, '
+                            'tiled=True)', 'P(None, "x")', 'P("x")', 'P("x")', (512, 1024))
 
 
 def test_missing_peer_times_out_with_error():
-  from test_gpu_ag import check_missing_peer
-  check_missing_peer('ao.matmul_rs(x, w, "x", config=cfg)', (512, 1024),
-                     'in_specs=kw["in_specs"], out_specs=kw["out_specs"]', "matmul_rs",
-                     prelude=_RS_PRELUDE)
+  check_missing_peer('ao.matmul_rs(x, w, "x", config=cfg)', (512, 1024), 'P(None, "x")', 'P("x")',
+                     'P("x")', "matmul_rs")

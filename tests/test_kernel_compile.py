@@ -25,21 +25,15 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
-from jax_autooverlap.tuning import select, store  # noqa: E402
+from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
+from ptx_dump import tuner_configs  # noqa: E402
 
 
 def _tuner_configs(op):
-  """(dtype, KernelConfig) pairs the tuner can return for op: defaults and every cached entry."""
-  out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16, np.float32)}
-  for key, entry in store.verdicts().items():
-    if entry.get("impl") == "triton" and key.startswith(op + "|"):
-      out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
-  for dtype, cfg in list(out):  # every 16-bit config with each engine
-    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
-      for engine in ("tl", "gluon"):
-        out.add((dtype, dataclasses.replace(cfg, engine=engine)))
-  return sorted(out, key=str)
+  """(dtype, KernelConfig) pairs the tuner can return for op (tests/ptx_dump.py's list), less
+  GEMM+RS's warpgroup partitions: test_gemm_rs_with_warpgroup_partitions_compiles has those."""
+  return [dc for dc in tuner_configs(op) if not dc[1].wg_partitions]
 
 
 _ID = lambda dc: (f"{dc[0]}-{dc[1].engine}-{dc[1].block_m}x{dc[1].block_n}x{dc[1].block_k}"
@@ -140,15 +134,15 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
 
 
 def _gluon_program(kind, m, k, n, **launch):
-  """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm or
-  gemm_wg (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2,
-  this GPU's operands [m, k] and [k, n]); launch: further launcher arguments."""
+  """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm
+  (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2, this GPU's
+  operands [m, k] and [k, n]); launch: further launcher arguments."""
   from jax_autooverlap.backends import gluon
   bf16 = jnp.dtype(jnp.bfloat16)
   kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"))
   common = dict(kernel=kernel, out_dtype=bf16, num_sms=132, compute_capability=90, **launch)
   specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
-  if kind in ("gemm", "gemm_wg"):
+  if kind == "gemm":
     return (lambda a, b: gluon.launch_gemm(a, b, **common)), specs
   launch_op = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
   extra = dict(return_gathered=False) if kind == "ag" else {}
@@ -202,21 +196,6 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
 
 
-def test_engine_gemm_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
-  """kernels/gluon_gemm_wg.py (the experiment: each consumer warpgroup its own partition)
-  builds for sm_90a: wgmma m64n256 from each partition, TMA loads and stores of 64-row halves,
-  register reallocation, 12 warps; it refuses a timeline."""
-  f, specs = _gluon_program("gemm_wg", 1000, 1024, 1000)
-  ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
-  assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
-  assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), "lost its TMA loads"
-  assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "lost its TMA stores"
-  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
-  assert_scratch_is_the_operand(ptx)
-  with pytest.raises(ValueError, match="records no timeline"):
-    jax.eval_shape(_gluon_program("gemm_wg", 1000, 1024, 1000, trace=True)[0], *specs)
-
-
 def _ptxas_report(ptx: str, tmp_path) -> str:
   """ptxas -v on `ptx` with the ptxas XLA assembles it with on the GPU (the machine's CUDA;
   triton's own where there is none): its register report."""
@@ -232,11 +211,11 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
   return run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("kind", ["gemm", "gemm_wg", "ag", "rs", "rs_wg"])
+@pytest.mark.parametrize("kind", ["gemm", "ag", "rs", "rs_wg"])
 def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
   """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
   serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
-  and run correctly but slowly (seen on a GEMM+RS variant, bench/NOTES.md)."""
+  and run correctly but slowly (seen on a GEMM+RS variant, docs/NOTES.md)."""
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program(kind, 8192, 4096, 4096))
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
@@ -244,8 +223,8 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
 
 
 def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
-  """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2, an experiment) builds for
-  sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full
+  """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2: autotuning times it) builds
+  for sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full
   store-completion wait before a release, bounded acquire waits, warp specialisation."""
   ptx = _exported_ptx(monkeypatch, tmp_path, *_gluon_program("rs_wg", 1200, 512, 1280))
   assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
@@ -254,95 +233,3 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
   assert_scratch_is_the_operand(ptx)
-
-
-@pytest.mark.parametrize("tile", [(128, 128, 5), (64, 256, 4)], ids=lambda t: "{}x{}-s{}".format(*t))
-def test_cluster_engine_compiles(monkeypatch, tmp_path, tile):
-  """kernels/gluon_gemm_mc.py (triton >= 3.7): 2-CTA clusters, B multicast by the lead CTA into
-  both CTAs' shared memory, releases to the pair's barrier in the lead, one wgmma per 64 rows
-  per warpgroup, warp specialisation; ptxas: no spills, no serialized wgmma."""
-  from jax_autooverlap.backends import gluon
-  if gluon.cluster_kernel_unsupported():
-    pytest.skip(gluon.cluster_kernel_unsupported())
-  bm, bn, stages = tile
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=bm, block_n=bn, stages=stages,
-                                             out_dtype=bf16, num_sms=132, compute_capability=90)
-  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f,
-                      [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)])
-  assert ".reqnctapercluster 2" in ptx
-  assert "multicast::cluster" in ptx, "B is not multicast"
-  assert "mbarrier.arrive.shared::cluster" in ptx, "no release to the pair's barrier"
-  assert f"wgmma.mma_async.sync.aligned.m64n{bn}k16" in ptx
-  assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
-  assert_scratch_is_the_operand(ptx)
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-
-
-def test_ping_pong_engine_without_clusters_compiles(monkeypatch, tmp_path):
-  """The cluster experiment's kernel launched with one CTA per cluster (the baseline without
-  clusters): no cluster launch, no multicast, no cross-CTA arrivals or barriers."""
-  from jax_autooverlap.backends import gluon
-  if gluon.cluster_kernel_unsupported():
-    pytest.skip(gluon.cluster_kernel_unsupported())
-  bf16 = jnp.dtype(jnp.bfloat16)
-  f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=128, block_n=128, stages=5, ctas=1,
-                                             out_dtype=bf16, num_sms=132, compute_capability=90)
-  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f,
-                      [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)])
-  assert "reqnctapercluster" not in ptx and "multicast::cluster" not in ptx
-  assert "shared::cluster" not in ptx and "barrier.cluster" not in ptx
-  assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and ".reqntid 384" in ptx
-  report = _ptxas_report(ptx, tmp_path)
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-  with pytest.raises(ValueError, match="ctas=3"):
-    gluon.launch_gemm_cluster(jnp.zeros((256, 64), bf16), jnp.zeros((64, 128), bf16), block_m=128,
-                              block_n=128, stages=5, ctas=3, out_dtype=bf16, num_sms=132)
-
-
-def _loop_fences(ptx: str) -> int:
-  """Proxy fences (generic -> async) right before a wgmma group or a TMA load: inside loops."""
-  lines = ptx.splitlines()
-  hits = 0
-  for i, line in enumerate(lines):
-    if "wgmma.fence.sync.aligned" in line or "cp.async.bulk.tensor.2d.shared::" in line:
-      hits += any("fence.proxy.async" in l for l in lines[max(0, i - 12):i])
-  return hits
-
-
-@pytest.mark.parametrize("kind", ["engine", "cluster"])
-def test_setup_fence_replaces_the_fences_in_the_loops(monkeypatch, tmp_path, kind):
-  """gluon_engine.setup_fence: with one proxy fence before warp_specialize, the compiler puts
-  none before the producer's TMA loads or the consumers' wgmma (it does without)."""
-  import triton
-  from jax_autooverlap.backends import gluon
-  bf16 = jnp.dtype(jnp.bfloat16)
-  if kind == "cluster" and gluon.cluster_kernel_unsupported():
-    pytest.skip(gluon.cluster_kernel_unsupported())
-  specs = [jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((4096, 4096), bf16)]
-
-  from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
-  kernels = [gluon_gemm_kernel]
-  if kind == "cluster":
-    from jax_autooverlap.kernels.gluon_gemm_mc import gluon_gemm_mc_kernel
-    kernels = [gluon_gemm_mc_kernel]
-
-  def ptx_of(fence):
-    for k in kernels:  # compile afresh (jax-triton dumps PTX only when it compiles)
-      monkeypatch.setattr(k, "_jT_kernel_cache", {}, raising=False)
-    if kind == "engine":
-      f = lambda a, b: gluon.launch_gemm(a, b, kernel=KernelConfig(engine="gluon"), out_dtype=bf16,
-                                         num_sms=132, compute_capability=90, setup_fence=fence)
-    else:
-      f = lambda a, b: gluon.launch_gemm_cluster(a, b, block_m=128, block_n=128, stages=5,
-                                                 out_dtype=bf16, num_sms=132,
-                                                 compute_capability=90, setup_fence=fence)
-    return _exported_ptx(monkeypatch, tmp_path / f"dump-{fence}", f, specs)
-  plain, fenced = ptx_of(False), ptx_of(True)
-  assert _loop_fences(fenced) == 0
-  report = _ptxas_report(fenced, tmp_path)
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
-  if _loop_fences(plain) == 0:  # triton 3.6 puts none there: setup_fence changes nothing
-    pytest.skip(f"triton {triton.__version__} puts no proxy fence in the loops")

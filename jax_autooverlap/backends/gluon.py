@@ -4,29 +4,21 @@ Same arguments and outputs as the `tl` launchers in backends/triton.py, which
 hand over to these; the kernels keep the same workspace layout and protocol.
 The grid and the per-call constants follow the `tl` launchers; what differs:
 - the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
-  producer warp group (jax-triton launches all of them: _compat.py, fix 3);
+  producer warp group (jax-triton launches all of them: _compat.py, fix 6);
 - the operand ring has kernel.num_stages stages, the consumers' tile is
   block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup);
 - AG+GEMM: the shard is pushed by a mover warp in each of the first
-  kernel.num_comm CTAs, which all compute (backends/triton.py's ag_grid).
+  kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid).
 """
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
+from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
 from jax_autooverlap.tuning.config import KernelConfig
-
-
-def diag_bits() -> int:
-  """AO_GLUON_DIAG: bits that switch parts of the Gluon kernels off, for the loopback benchmark's
-  cost attribution only (results are wrong with some of them): ag 1 = no push by the movers,
-  2 = no waits for peers' chunks; rs 1 = no release of pushed tiles, 2 = no peer partials
-  summed, 4 = no prefetch of the first peer partial."""
-  return int(os.environ.get("AO_GLUON_DIAG", "0"))
 
 
 def trace_out_type(num_ctas: int, trace: bool):
@@ -51,7 +43,6 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    trace: bool = False):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine; trace: also return the
   consumers' per-tile timeline (kernels/gluon_trace.py; the loopback benchmark's --trace)."""
-  from jax_autooverlap.backends.triton import ag_grid, kernel_constants
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -65,71 +56,24 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
-      STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
+      STAGES=kernel.num_stages, TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   result = (out, gathered) if return_gathered else out
   return (result, timeline) if trace else result
 
 
-def cluster_kernel_unsupported() -> str | None:
-  """Why this triton cannot build kernels/gluon_gemm_mc.py (its Gluon has no TMA multicast
-  before 3.7), or None."""
-  import triton
-  if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-    return f"Gluon TMA multicast needs triton >= 3.7 (this is {triton.__version__})"
-  return None
-
-
-def launch_gemm_cluster(a, b, *, block_m: int, block_n: int, stages: int, out_dtype,
-                        num_sms: int, group_m: int = 8, compute_capability: int | None = None,
-                        ctas: int = 2, setup_fence: bool = False):
-  """The experiment of kernels/gluon_gemm_mc.py (triton >= 3.7): a[M, K] @ b[K, N] in 2-CTA
-  clusters (B multicast), ping-pong warpgroups, a block_m x block_n tile per warpgroup
-  (ctas=1: the same schedule without clusters)."""
-  reason = cluster_kernel_unsupported()
-  if reason:
-    raise NotImplementedError(f"launch_gemm_cluster: {reason}")
-  from jax_autooverlap.kernels.gluon_gemm_mc import WG_WARPS, gluon_gemm_mc_kernel
-  jt = import_jax_triton()
-  m, k = a.shape
-  n = b.shape[1]
-  if ctas not in (1, 2):
-    raise ValueError(f"launch_gemm_cluster: ctas={ctas}; 1 or 2 CTAs per cluster")
-  tiles = math.ceil(m / (ctas * block_m)) * math.ceil(n / block_n)
-  clusters = min(num_sms // ctas, tiles)
-  out, _ = jt.triton_call(
-      a, b, kernel=gluon_gemm_mc_kernel, name="ao_gemm_gluon_mc",
-      out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(ctas * clusters)),
-      grid=(clusters,), num_warps=int(WG_WARPS), num_ctas=ctas,
-      compute_capability=compute_capability, M=m, K=k, N=n, BLOCK_M=block_m, BLOCK_N=block_n,
-      BLOCK_K=64, GROUP_M=group_m, STAGES=stages, CLUSTERS=clusters,
-      SETUP_FENCE=setup_fence)
-  return out
-
-
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
-                compute_capability: int | None = None, trace: bool = False,
-                setup_fence: bool = False):
-  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks).
-  kernel.wg_partitions: the experiment of kernels/gluon_gemm_wg.py (no timeline); setup_fence:
-  the experiment of gluon_engine.setup_fence."""
+                compute_capability: int | None = None, trace: bool = False):
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
+  if kernel.wg_partitions:
+    raise ValueError("launch_gemm: wg_partitions=True; warpgroup partitions exist for GEMM+RS "
+                     "only (launch_gemm_rs)")
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b.shape[1]
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
-  if kernel.wg_partitions:
-    from jax_autooverlap.kernels.gluon_gemm_wg import WG_WARPS, gluon_gemm_wg_kernel
-    if trace:
-      raise ValueError("launch_gemm: wg_partitions=True records no timeline (trace=True)")
-    out, _ = jt.triton_call(
-        a, b, kernel=gluon_gemm_wg_kernel, name="ao_gemm_gluon_wg",
-        out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), scratch_out_type(num_ctas)),
-        grid=(num_ctas,), num_warps=int(WG_WARPS), compute_capability=compute_capability,
-        M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-        GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas)
-    return out
   out, timeline, _ = jt.triton_call(
       a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
       zeroed_outputs=(1,) if trace else (),
@@ -138,8 +82,7 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
       grid=(num_ctas,),
       num_warps=kernel.num_warps, compute_capability=compute_capability,
       M=m, K=k, N=n, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace,
-      SETUP_FENCE=setup_fence)
+      GROUP_M=kernel.group_m, STAGES=kernel.num_stages, NUM_CTAS=num_ctas, TRACE=trace)
   return (out, timeline) if trace else out
 
 
@@ -151,7 +94,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   kernel.wg_partitions: a consumer partition per warpgroup; every rank of the group must
   launch the same, its arrival counters count halves)."""
   wg_partitions = kernel.wg_partitions
-  from jax_autooverlap.backends.triton import kernel_constants, rs_grid
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
@@ -164,7 +106,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps // (2 if wg_partitions else 1),
       compute_capability=compute_capability,
-      M=m, K=k, N=n, STAGES=kernel.num_stages, DIAG=diag_bits(), TRACE=trace,
+      M=m, K=k, N=n, STAGES=kernel.num_stages, TRACE=trace,
       WG_PARTS=2 if wg_partitions else 1,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, timeline) if trace else out

@@ -10,19 +10,17 @@ is in each workspace's header.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, varying_axes
+from jax_autooverlap.backends import gluon
+from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
-
-H100_CLASS_SMS = 132
 
 
 def _address_table(mesh, axis_name, world: int, addresses):
@@ -62,44 +60,6 @@ def _varying(x, axes):
   return lax.pcast(x, axes, to="varying") if axes else x
 
 
-def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
-  """Tile rows per arrival chunk: `chunks` chunks, but never more than the workspace holds."""
-  return max(math.ceil(tile_rows / min(chunks, tile_rows)),
-             math.ceil(tile_rows / workspace.MAX_CHUNKS))
-
-
-def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas: int,
-                     timeout_s: float, op_id: int) -> dict:
-  """The compile-time constants every fused kernel takes (both ops, both engines): its tiles and
-  the workspace protocol (runtime/workspace.py's layout, the bounded waits' limit)."""
-  return dict(WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-              GROUP_M=kernel.group_m, TILES_PER_CHUNK=_tiles_per_chunk(tile_rows, kernel.chunks),
-              NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
-              BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
-              FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
-              TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
-
-
-def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
-
-  tl: the movers are CTAs of their own, which compute only after pushing; gluon: the mover is
-  a warp of a computing CTA (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
-  tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
-  if kernel.engine == "gluon":
-    num_ctas = min(num_sms, world * tm * tn)
-    return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
-  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn)
-
-
-def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines)."""
-  m_out = m // world
-  tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
-  return m_out, tm, tn, min(num_sms, world * tm * tn)
-
-
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
@@ -109,7 +69,6 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   kernel fails to write show up as exact zeros.
   """
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
-    from jax_autooverlap.backends import gluon
     return gluon.launch_ag_gemm(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, return_gathered=return_gathered,
                                 timeout_s=timeout_s, num_sms=num_sms, op_id=op_id,
@@ -175,7 +134,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    compute_capability: int | None = None, poison: bool = False):
   """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group)."""
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
-    from jax_autooverlap.backends import gluon
     return gluon.launch_gemm_rs(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, timeout_s=timeout_s, num_sms=num_sms,
                                 op_id=op_id, compute_capability=compute_capability, poison=poison)

@@ -1,1 +1,2 @@
-"""Pure Triton kernels (no JAX imports); called only from backends/triton.py."""
+"""Pure Triton and Gluon kernels (no JAX imports); launched only from backends/ (the loopback
+benchmark's set-up kernel from bench/loopback.py)."""

@@ -4,7 +4,8 @@ kernels/ag_gemm.py, with the same workspace protocol and tile order.
     out[src*m + i, :] = a_src[i, :] @ b        for every rank src of the group
 
 Every CTA runs three partitions (`gl.warp_specialize`):
-- the consumers and the producer of the engine (kernels/gluon_engine.py).
+- the consumers and the producer of the engine (kernels/gluon_engine.py; the
+  consumers are its compute_and_store, into the 3-D output [src, rows, cols]).
   The producer warp claims output tiles from the per-call counter in the
   order local shard first, then rank-1, rank-2, ... (the order peers push to
   us); for a peer's tile it first waits (acquire, system scope, bounded by
@@ -33,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
-from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
 from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
@@ -71,14 +71,13 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
            M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
            TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
-           RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
-           DIAG: gl.constexpr):
+           RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
   pid = gl.program_id(0)
   NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
   SHARD: gl.constexpr = M_SHARD * K
   KSPLIT: gl.constexpr = (K + KS - 1) // KS
   n = 0
-  if pid < NUM_COMM and (DIAG & 1) == 0:
+  if pid < NUM_COMM:
     rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
     err_addr = ws + ERROR_SLOT_OFFSET
     dtype: gl.constexpr = local_desc3.dtype
@@ -86,7 +85,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     # Gather buffers of this call's parity as [src, row, col] of the peer of step i (rank + 1
     # + i, i < WORLD - 1; this rank's shard goes to index rank there), and that peer's arrival
     # counters from this rank: the address table is read once per CTA, and a descriptor
-    # (~0.7 us of the mover's start, bench/NOTES.md) is made per peer, not per rank.
+    # (~0.7 us of the mover's start, docs/NOTES.md) is made per peer, not per rank.
     peer_descs = ()
     peer_flags = ()
     for i in gl.static_range(WORLD - 1):
@@ -137,7 +136,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, FLAGS_OFF: gl.constexpr,
               BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr,
-              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, DIAG: gl.constexpr):
+              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
   BLOCK_K: gl.constexpr = local_desc.block_type.shape[1]
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -166,7 +165,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
   if step != 0:
     it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
                          my_flags, err_addr, M_SHARD, K, KS, WORLD, TM, TILES_PER_CHUNK,
-                         MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
+                         MAX_CHUNKS, TIMEOUT_NS, OP_ID)
   j = 1
   t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
@@ -181,7 +180,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
     else:
       it = _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty,
                            it, my_flags, err_addr, M_SHARD, K, KS, WORLD, TM, TILES_PER_CHUNK,
-                           MAX_CHUNKS, TIMEOUT_NS, OP_ID, DIAG)
+                           MAX_CHUNKS, TIMEOUT_NS, OP_ID)
     t = eng.claimed_tile(claim, NUM_CTAS)
   eng.publish_tile(tiles, tile_ready, tile_free, j, TOTAL)  # no more tiles
 
@@ -190,8 +189,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
 def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready, empty, it,
                     my_flags, err_addr, M_SHARD: gl.constexpr, K: gl.constexpr, KS: gl.constexpr,
                     WORLD: gl.constexpr, TM: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
-                    MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
-                    DIAG: gl.constexpr):
+                    MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
   """Producer: wait for the chunk of source rank - step holding row tile tm (bounded: every
   column slice of each of its row tiles), then TMA-load the tile's k-blocks from the gather
   buffer."""
@@ -199,37 +197,11 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
   BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
   src = (rank + WORLD - step) % WORLD
   c = tm // TILES_PER_CHUNK
-  if (DIAG & 2) == 0:
-    wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                  gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * ((K + KS - 1) // KS),
-                  err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
+  wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * ((K + KS - 1) // KS),
+                err_addr, OP_ID, rank, src, c, TIMEOUT_NS)
   return eng.load_tile(bufs_desc, src * M_SHARD + tm * BLOCK_M, b_desc, tn * BLOCK_N, K, a_bufs,
                        b_bufs, ready, empty, it)
-
-
-@gluon.jit
-def _consumer(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
-              trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, WORLD: gl.constexpr,
-              TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
-  BLOCK_M: gl.constexpr = o_desc.block_type.shape[1]
-  BLOCK_N: gl.constexpr = o_desc.block_type.shape[2]
-  trace.start(trace_ptr, TRACE)
-  it = 0
-  j = 0
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  while t < WORLD * TM * TN:
-    trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
-    trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
-    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    eng.stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
-    # 3-D output [src, row, col]: a ragged last tile row of a shard is clipped at its end
-    eng.tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
-    j += 1
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  eng.finish_partition()
-  trace.end(trace_ptr, TRACE)
 
 
 @lean_launch
@@ -243,8 +215,7 @@ def gluon_ag_gemm_kernel(
     TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, NUM_COMM: gl.constexpr,
     NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
-    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
-    TRACE: gl.constexpr,
+    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
@@ -275,14 +246,14 @@ def gluon_ag_gemm_kernel(
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
   gl.warp_specialize([
-      (_consumer, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   rank, trace_ptr, K, BLOCK_K, WORLD, TM, TN, GROUP_M, TRACE)),
+      (eng.compute_and_store, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                               tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
-                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG)),
+                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
       (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
                 M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
-                NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID, DIAG)),
+                NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID)),
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,

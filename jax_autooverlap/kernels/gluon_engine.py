@@ -1,4 +1,4 @@
-"""Warp-specialised GEMM engine in Gluon (sm_90): the building blocks of both fused Gluon kernels.
+"""Warp-specialised GEMM engine in Gluon (sm_90): the building blocks of every Gluon kernel.
 
 One persistent CTA per SM runs two partitions (`gl.warp_specialize`):
 - the producer, one warp: claims output tiles from the kernel's per-call
@@ -12,7 +12,9 @@ One persistent CTA per SM runs two partitions (`gl.warp_specialize`):
   flight (a stage is handed back to the producer once the MMA after it has
   been issued, i.e. once the MMA reading it has completed), then run the
   kernel's epilogue, which writes the tile through one shared-memory buffer
-  with TMA stores whose wait is deferred to the next tile's epilogue.
+  with TMA stores whose wait is deferred to the next tile's epilogue
+  (compute_and_store: the whole consumer side of the kernels whose epilogue
+  only stores, the GEMM alone and AG+GEMM).
 
 Invariants:
 - Producer and consumers walk the same sequence of (tile, k-block) stages, so
@@ -34,6 +36,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+
+from jax_autooverlap.kernels import gluon_trace as trace
+from jax_autooverlap.kernels.gemm_rs import tile_of
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -202,8 +207,8 @@ def mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K: gl.constexpr, BLOCK_M
   """Consumers: acc[BLOCK_M, BLOCK_N] (fp32) of one tile from the operand ring; new stage counter.
 
   BLOCK_M rows of each A stage from row ROW0: the whole stage (the engine's 8-warp consumer
-  partition), or one warpgroup's 64 rows (a partition per warpgroup, kernels/gluon_gemm_wg.py;
-  the empty barriers then count one arrival per partition).
+  partition), or one warpgroup's 64 rows (a partition per warpgroup: GEMM+RS with WG_PARTS = 2,
+  kernels/gluon_gemm_rs.py; the empty barriers then count one arrival per partition).
 
   One wgmma group stays in flight: after issuing k-block i's MMA, waiting for
   at most one outstanding group means k-block i-1's MMA is done, so its stage
@@ -290,19 +295,40 @@ def stage_out(acc, c_smem):
 
 
 @gluon.jit
-def setup_fence(CLUSTER: gl.constexpr = False):
-  """Before warp_specialize: one proxy fence after the setup's generic shared-memory writes
-  (device-side TMA descriptors staged in shared memory, barrier inits), which the operand ring
-  may alias (CLUSTER: at cluster scope, where a peer CTA's TMA writes into it).  Without it
-  triton 3.9's proxy-fence insertion, which cannot see a partition's entry state, puts a
-  `fence.proxy.async` before every TMA load in the producer's loop and before every wgmma in
-  the consumers' loop (seen in the PTX; triton 3.6 puts none there).  An experiment: on one
-  H200 it changed nothing for the cooperative engine and gained 0-2 % for the cluster and
-  ping-pong kernels (bench/NOTES.md)."""
-  fence_async_shared(cluster=CLUSTER)
-
-
-@gluon.jit
 def finish_partition():
   """Consumers at the end of the tile loop: no TMA store may still read shared memory."""
   tma.store_wait(0)
+
+
+@gluon.jit
+def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+                      rank, trace_ptr, K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
+                      TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
+  """The consumers of a kernel whose epilogue only stores (the GEMM alone, AG+GEMM): every tile
+  the producer publishes (tile_of's order), computed and TMA-stored into o_desc, which is
+  [rows, cols] where rank is None (the GEMM, WORLD = 1), else [src, rows, cols] (AG+GEMM: the
+  tile of step s is source rank (rank - s) mod WORLD's; a ragged last tile row of a shard is
+  clipped at its end).  trace_ptr: the timeline (gluon_trace.py) where TRACE."""
+  BLOCK_M: gl.constexpr = a_bufs.shape[1]
+  BLOCK_K: gl.constexpr = a_bufs.shape[2]
+  BLOCK_N: gl.constexpr = b_bufs.shape[2]
+  trace.start(trace_ptr, TRACE)
+  it = 0
+  j = 0
+  t = next_tile(tiles, tile_ready, tile_free, j)
+  while t < WORLD * TM * TN:
+    trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
+    acc, it = mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
+    trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
+    step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    if rank is None:
+      stage_out(acc.to(o_desc.dtype), c_smem)
+      tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    else:
+      stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
+      tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
+    j += 1
+    t = next_tile(tiles, tile_ready, tile_free, j)
+  finish_partition()
+  trace.end(trace_ptr, TRACE)

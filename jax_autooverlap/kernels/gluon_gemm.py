@@ -10,7 +10,6 @@ from triton.experimental.gluon import language as gl
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
-from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 
 
@@ -30,38 +29,13 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   eng.publish_tile(tiles, tile_ready, tile_free, j, TM * TN)  # no more tiles
 
 
-@gluon.jit
-def _consumer(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-              trace_ptr, K: gl.constexpr, BLOCK_K: gl.constexpr, TM: gl.constexpr,
-              TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
-  BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-  trace.start(trace_ptr, TRACE)
-  it = 0
-  j = 0
-  t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  while t < TM * TN:
-    trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
-    acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
-    trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
-    _, tm, tn = tile_of(t, 1, TM, TN, GROUP_M)
-    eng.stage_out(acc.to(c_desc.dtype), c_smem)
-    eng.tma_store(c_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
-    j += 1
-    t = eng.next_tile(tiles, tile_ready, tile_free, j)
-  eng.finish_partition()
-  trace.end(trace_ptr, TRACE)
-
-
 @lean_launch
 @gluon.jit
 def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr,
-                      SETUP_FENCE: gl.constexpr = False):
+                      NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
@@ -69,11 +43,9 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
   c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  if SETUP_FENCE:   # an experiment (eng.setup_fence); off: the GPU-validated kernel
-    eng.setup_fence()
   gl.warp_specialize([
-      (_consumer, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
-                   trace_ptr, K, BLOCK_K, TM, TN, GROUP_M, TRACE)),
+      (eng.compute_and_store, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                               tile_free, None, trace_ptr, K, 1, TM, TN, GROUP_M, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])

@@ -61,8 +61,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
               table_ptr, rank_ptr, out_ptr, M_OUT: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
               WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
-              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, DIAG: gl.constexpr,
-              WG_PARTS: gl.constexpr):
+              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, WG_PARTS: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   gl.static_assert(TOTAL < PREFETCH, "tile numbers overlap the prefetch tag")
@@ -83,7 +82,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   while t < TOTAL:
     look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN, GROUP_M,
                                   TILES_PER_CHUNK, MAX_CHUNKS, a_desc.block_type.shape[0],
-                                  b_desc.block_type.shape[1], DIAG, WG_PARTS)
+                                  b_desc.block_type.shape[1], WG_PARTS)
     eng.publish_tile(tiles, tile_ready, tile_free, j, t + look * PREFETCH)
     j += 1
     # the next claim's atomic is in flight while this tile's loads are issued
@@ -114,7 +113,7 @@ def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: 
                            WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr,
                            GROUP_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr,
                            MAX_CHUNKS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           DIAG: gl.constexpr, WG_PARTS: gl.constexpr):
+                           WG_PARTS: gl.constexpr):
   """Producer: 1 if t is an own tile whose partial from the first peer of the summation order
   has arrived (one look, acquire, system scope, never a wait: the producer must not block
   while the consumers hold a deferred release), else 0.  The look's latency overlaps with the
@@ -127,7 +126,7 @@ def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: 
   expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS  # releases
   first = (rank == 0).to(gl.int32)
   look = 0
-  if (rank + 1 + step) % WORLD == rank and (DIAG & 6) == 0:
+  if (rank + 1 + step) % WORLD == rank:
     if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.PRODUCER_WARPS):
       look = 1
       prefetch_l2(my_slots + (first * M_OUT + tm * BLOCK_M).to(gl.int64) * N + tn * BLOCK_N,
@@ -161,7 +160,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
-              OP_ID: gl.constexpr, DIAG: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
+              OP_ID: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
               WG_PARTS: gl.constexpr):
   """The consumers: one 8-warp partition for whole tiles (WG_PARTS = 1), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
@@ -203,7 +202,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
   # counters from this rank: the address table is read here, once per CTA, not in an
   # epilogue (a load there stalled every remote tile's epilogue by ~800 cycles); the
-  # descriptors cost the CTA's first epilogue ~0.7 us each (bench/NOTES.md): one per peer.
+  # descriptors cost the CTA's first epilogue ~0.7 us each (docs/NOTES.md): one per peer.
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   peer_descs = ()
   peer_flags = ()
@@ -235,11 +234,11 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
         if i == step:  # owner (rank + 1 + step) % WORLD
           eng.tma_store(peer_descs[i], [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
           pending_flag = peer_flags[i] + c
-      pending = 1 - (DIAG & 1)
+      pending = 1
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
       for r in gl.static_range(WORLD):
-        if r != rank and (DIAG & 2) == 0:
+        if r != rank:
           if r != first or prefetched == 0:
             wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
                           TIMEOUT_NS, WG_PARTS > 1)
@@ -285,12 +284,11 @@ def gluon_gemm_rs_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
     BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
-    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr,
-    TRACE: gl.constexpr, WG_PARTS: gl.constexpr,
+    TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
+    WG_PARTS: gl.constexpr,
 ):
   """WG_PARTS: 1 (one consumer partition of two warpgroups) or 2 (a partition per warpgroup,
-  the experiment of kernels/gluon_gemm_wg.py; launched with 4 warps, its default partition
-  being warpgroup 0)."""
+  KernelConfig.wg_partitions; launched with 4 warps, its default partition being warpgroup 0)."""
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -321,10 +319,10 @@ def gluon_gemm_rs_kernel(
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
                      WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS,
-                     NUM_CTAS, TIMEOUT_NS, OP_ID, DIAG, TRACE, 0, 1)),
+                     NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
+                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free),),)),
     ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
   else:
@@ -341,15 +339,15 @@ def gluon_gemm_rs_kernel(
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     DIAG, TRACE, 0, 2)),
+                     TRACE, 0, 2)),
         (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     DIAG, TRACE, 1, 2)),
+                     TRACE, 1, 2)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, DIAG, WG_PARTS)),
+                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free), (sig1_box, sig1_ready, sig1_free)),)),
     ], [eng.NUM_WARPS // 2, eng.PRODUCER_WARPS, SIGNALLER_WARPS],
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])

@@ -75,7 +75,7 @@ def hand_off_release(flag, box, ready, free, n, NUM_WARPS: gl.constexpr):
   barrier and mbarrier arrive
   order those completions before the taker's release (system scope, cumulative), so the
   peer that acquires the counter sees every byte.  The senders do not wait for the
-  system-scope release (~1 µs per pushed tile when the consumers did it: bench/NOTES.md)."""
+  system-scope release (~1 µs per pushed tile when the consumers did it: docs/NOTES.md)."""
   full_write_wait()
   tl.debug_barrier()
   eng.post(box, ready, free, n, flag.to(gl.int64, bitcast=False), NUM_WARPS)

@@ -75,7 +75,7 @@ def wait_at_least(ptr, expected, err_slot, op_id, rank, src, chunk, timeout_ns: 
   record whose address is stored at err_slot, and trap.  OUT_OF_LINE: the first acquire load
   inline (the usual case: the counter is already there), the polling loop in a function of its
   own, whose registers are its own (inline beside a live accumulator in a one-warpgroup
-  partition, the loop made ptxas spill it: bench/NOTES.md)."""
+  partition, the loop made ptxas spill it: docs/NOTES.md)."""
   seen = ld_acquire_sys(ptr)
   if seen < expected:
     if OUT_OF_LINE:

@@ -42,8 +42,9 @@ class KernelConfig:
   num_comm: int = 8    # CTAs that move data (the rest compute)
   engine: str = "tl"   # one of ENGINES
   # GEMM+RS on the Gluon engine with a consumer partition per warpgroup (kernels/gluon_gemm_rs.py
-  # WG_PARTS = 2; measured 0.5-1.1 % faster in loopback, docs/NOTES.md).  Autotuning times
-  # GEMM+RS with and without it; every rank of a group must use the same.  AG+GEMM ignores it.
+  # WG_PARTS = 2; measured 0.5-1.1 % faster in loopback, docs/NOTES.md).  Autotuning times GEMM+RS
+  # with and without it; every rank of a group must use the same.  AG+GEMM ignores it; the
+  # engine's GEMM alone (backends/gluon.launch_gemm) refuses it.
   wg_partitions: bool = False
 
   def __post_init__(self):

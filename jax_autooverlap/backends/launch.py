@@ -1,0 +1,46 @@
+"""Launch geometry both engines' launchers share (backends/triton.py, backends/gluon.py): the
+grids of the fused kernels and the compile-time constants every fused kernel takes."""
+from __future__ import annotations
+
+import math
+
+from jax_autooverlap.runtime import workspace
+from jax_autooverlap.tuning.config import KernelConfig
+
+
+def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
+  """Tile rows per arrival chunk: `chunks` chunks, but never more than the workspace holds."""
+  return max(math.ceil(tile_rows / min(chunks, tile_rows)),
+             math.ceil(tile_rows / workspace.MAX_CHUNKS))
+
+
+def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas: int,
+                     timeout_s: float, op_id: int) -> dict:
+  """The compile-time constants every fused kernel takes (both ops, both engines): its tiles and
+  the workspace protocol (runtime/workspace.py's layout, the bounded waits' limit)."""
+  return dict(WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
+              GROUP_M=kernel.group_m, TILES_PER_CHUNK=_tiles_per_chunk(tile_rows, kernel.chunks),
+              NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
+              BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
+              FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
+              TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
+
+
+def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
+  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
+
+  tl: the movers are CTAs of their own, which compute only after pushing; gluon: the mover is
+  a warp of a computing CTA (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
+  tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
+  if kernel.engine == "gluon":
+    num_ctas = min(num_sms, world * tm * tn)
+    return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
+  num_comm = max(1, min(kernel.num_comm, num_sms // 2))
+  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn)
+
+
+def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
+  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines)."""
+  m_out = m // world
+  tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
+  return m_out, tm, tn, min(num_sms, world * tm * tn)

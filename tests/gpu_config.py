@@ -1,0 +1,18 @@
+"""The kernel config the GPU tests force, from AO_TEST_ENGINE and AO_TEST_WG_PARTITIONS.
+
+Not in conftest.py: tests/gpu_two_process.py's workers import it too, and must not take a
+test session's settings (conftest.py's XLA flags and tuning-cache directory) with it.
+"""
+import os
+
+
+def forced_kernel_config():
+  """AO_TEST_ENGINE=tl|gluon runs the kernels on that engine (else the tuner's pick: None),
+  AO_TEST_WG_PARTITIONS=1 with gluon the warpgroup-partition GEMM+RS (as
+  tests/gpu_two_process.py --engine / --wg-partitions do)."""
+  from jax_autooverlap.tuning.config import KernelConfig
+  engine = os.environ.get("AO_TEST_ENGINE")
+  wg = os.environ.get("AO_TEST_WG_PARTITIONS", "") == "1"
+  if wg and engine != "gluon":
+    raise ValueError("AO_TEST_WG_PARTITIONS=1 needs AO_TEST_ENGINE=gluon")
+  return KernelConfig(engine=engine, wg_partitions=wg) if engine else None

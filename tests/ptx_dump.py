@@ -1,0 +1,220 @@
+"""The PTX of every shipped kernel configuration, for proving a refactoring changed no kernel.
+
+    PYTHONPATH=$PWD python tests/ptx_dump.py OUT_DIR [-k SUBSTRING]
+    python tests/ptx_dump.py --compare DIR_BEFORE DIR_AFTER
+
+Compile only (no GPU): each case is lowered as tests/test_kernel_compile.py lowers it
+(jax.export for cuda, compute capability 90, jax-triton's dump directory) and its PTX is
+written to OUT_DIR/<case>.ptx, the case's name spelling out op, dtype, config, world and
+shape.  The cases: AG+GEMM (with and without the gathered output) and GEMM+RS, each config
+the tuner can return (select.default_kernel for bf16, f16 and f32, every shipped verdict
+with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and without
+warpgroup partitions, as autotuning times it), worlds 2, 4 and 8, a large and a ragged
+shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs);
+the timeline builds (trace=True); the loopback set-up kernel.
+
+--compare diffs two dumps without their debug information (.loc/.file directives, the
+DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
+exits 0 iff every case is in both and identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+WORLDS = (2, 4, 8)
+# local shapes: AG+GEMM a[m, K] @ b[K, N]; GEMM+RS a[M, K] @ b[K, N] (M divisible by 8)
+SHAPES = {"ag": {"large": (2048, 8192, 4096), "ragged": (300, 1024, 640)},
+          "rs": {"large": (4096, 4096, 8192), "ragged": (600, 1024, 640)}}
+GEMM_SHAPES = {"large": (4096, 8192, 4096), "ragged": (1000, 1024, 1000)}
+# the engine benchmark's configs (bench/engine.py CONFIGS), on the Gluon engine
+GEMM_CONFIGS = (dict(block_m=128, block_n=256, num_stages=3),
+                dict(block_m=128, block_n=128, num_stages=4))
+
+
+def _cfg_name(cfg) -> str:
+  return (f"{cfg.engine}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-g{cfg.group_m}"
+          f"-w{cfg.num_warps}-s{cfg.num_stages}-c{cfg.chunks}-m{cfg.num_comm}"
+          + ("-wg" if cfg.wg_partitions else ""))
+
+
+def tuner_configs(op: str) -> list:
+  """(dtype name, KernelConfig) the tuner can return for op ("ag" | "rs")."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_autooverlap.tuning import select, store
+  from jax_autooverlap.tuning.config import KernelConfig
+  out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16,
+                                                                np.float32)}
+  for key, entry in store.verdicts().items():
+    if entry.get("impl") == "triton" and key.startswith(op + "|"):
+      out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
+  for dtype, cfg in list(out):
+    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
+      for engine in ("tl", "gluon"):
+        out.add((dtype, dataclasses.replace(cfg, engine=engine)))
+        if op == "rs" and engine == "gluon":
+          out.add((dtype, dataclasses.replace(cfg, engine=engine, wg_partitions=True)))
+  return sorted(out, key=str)
+
+
+def cases():
+  """(name, function, argument specs) of every kernel launch to dump."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_autooverlap.backends import gluon, triton as tb
+  from jax_autooverlap.tuning.config import KernelConfig
+  spec = jax.ShapeDtypeStruct
+  common = dict(timeout_s=1.0, num_sms=132, compute_capability=90)
+
+  def fused(op, dtype, cfg, world, shape, launch=None, **extra):
+    m, k, n = shape
+    dt = jnp.dtype(dtype)
+    if op == "ag":
+      launch = launch or tb.launch_ag_gemm
+      f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
+                                         **common, **extra)
+    else:
+      launch = launch or tb.launch_gemm_rs
+      f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
+                                         **common, **extra)
+    return f, (spec((m, k), dt), spec((k, n), dt), spec((2 * (world + 1),), np.uint32),
+               spec((1,), np.int32))
+
+  for op in ("ag", "rs"):
+    for dtype, cfg in tuner_configs(op):
+      for world in WORLDS:
+        for shape_name, shape in SHAPES[op].items():
+          base = f"{op}-{dtype}-{_cfg_name(cfg)}-world{world}-{shape_name}"
+          if op == "ag":
+            for gathered in (False, True):
+              yield (base + ("-gathered" if gathered else ""),
+                     *fused(op, dtype, cfg, world, shape, return_gathered=gathered))
+          else:
+            yield base, *fused(op, dtype, cfg, world, shape)
+
+  bf16 = jnp.dtype(jnp.bfloat16)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    dt = jnp.dtype(dtype)
+    for fields in GEMM_CONFIGS:
+      cfg = KernelConfig(engine="gluon", **fields)
+      for shape_name, (m, k, n) in GEMM_SHAPES.items():
+        f = lambda a, b, cfg=cfg, dt=dt: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=dt,
+                                                           num_sms=132, compute_capability=90)
+        yield (f"gemm-{dt.name}-{_cfg_name(cfg)}-{shape_name}", f,
+               (spec((m, k), dt), spec((k, n), dt)))
+
+  # timeline builds (the loopback benchmark's --trace): the Gluon launchers themselves
+  gcfg = KernelConfig(engine="gluon")
+  m, k, n = GEMM_SHAPES["large"]
+  yield (f"gemm-bfloat16-{_cfg_name(gcfg)}-large-trace",
+         lambda a, b: gluon.launch_gemm(a, b, kernel=gcfg, out_dtype=bf16, num_sms=132,
+                                        compute_capability=90, trace=True),
+         (spec((m, k), bf16), spec((k, n), bf16)))
+  for gathered in (False, True):
+    yield (f"ag-bfloat16-{_cfg_name(gcfg)}-world2-large" + ("-gathered" if gathered else "")
+           + "-trace", *fused("ag", bf16, gcfg, 2, SHAPES["ag"]["large"], gluon.launch_ag_gemm,
+                              return_gathered=gathered, trace=True))
+  for cfg in (gcfg, dataclasses.replace(gcfg, wg_partitions=True)):
+    yield (f"rs-bfloat16-{_cfg_name(cfg)}-world2-large-trace",
+           *fused("rs", bf16, cfg, 2, SHAPES["rs"]["large"], gluon.launch_gemm_rs, trace=True))
+
+  from jax_autooverlap.bench import loopback as lb
+  table = spec((2 * (lb.WORLD + 1),), np.uint32)
+  yield "loopback-arm", lambda t: lb._arm(t, compute_capability=90), (table,)
+
+
+def _kernels():
+  """Every @triton.jit / @gluon.jit kernel the cases launch (their jax-triton caches)."""
+  from jax_autooverlap.kernels import (ag_gemm, gemm_rs, gluon_ag_gemm, gluon_gemm,
+                                       gluon_gemm_rs, loopback)
+  return (ag_gemm.ag_gemm_kernel, gemm_rs.gemm_rs_kernel, gluon_ag_gemm.gluon_ag_gemm_kernel,
+          gluon_gemm.gluon_gemm_kernel, gluon_gemm_rs.gluon_gemm_rs_kernel,
+          loopback.loopback_arm_kernel)
+
+
+def dump(out: pathlib.Path, only: str | None = None) -> int:
+  import jax
+  import triton
+  from jax_autooverlap._compat import import_jax_triton
+  import_jax_triton()
+  from jax_triton import triton_lib
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "VERSIONS").write_text(f"triton {triton.__version__}\njax {jax.__version__}\n")
+  count = 0
+  for name, f, specs in cases():
+    if only and only not in name:
+      continue
+    for kernel in _kernels():  # jax-triton dumps only what it compiles
+      kernel._jT_kernel_cache = {}
+    with tempfile.TemporaryDirectory() as tmp:
+      triton_lib._JAX_TRITON_DUMP_DIR = tmp
+      jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+          jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+      (ptx,) = pathlib.Path(tmp).glob("**/*.ptx")
+      (out / f"{name}.ptx").write_text(ptx.read_text())
+    count += 1
+    print(f"{count:4d} {name}", flush=True)
+  return count
+
+
+_DEBUG_LINE = re.compile(r"^\s*(\.loc\s|\$L__tmp\d+:|\$L__func_(begin|end)\d+:)")
+
+
+def code_of(ptx: str) -> list[str]:
+  """The PTX without its debug information: lines up to the first .file directive (the DWARF
+  sections follow it), less .loc directives and the labels only DWARF refers to."""
+  lines = []
+  for line in ptx.splitlines():
+    if line.lstrip().startswith(".file"):
+      break
+    if not _DEBUG_LINE.match(line):
+      lines.append(line)
+  return lines
+
+
+def compare(before: pathlib.Path, after: pathlib.Path) -> int:
+  a = {p.name for p in before.glob("*.ptx")}
+  b = {p.name for p in after.glob("*.ptx")}
+  differ = []
+  for name in sorted(a & b):
+    x, y = code_of((before / name).read_text()), code_of((after / name).read_text())
+    if x != y:
+      differ.append(name)
+      diff = list(difflib.unified_diff(x, y, "before/" + name, "after/" + name, lineterm="", n=1))
+      print("\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else ""))
+  for name in sorted(a - b):
+    print(f"only in {before}: {name}")
+  for name in sorted(b - a):
+    print(f"only in {after}: {name}")
+  same = len(a & b) - len(differ)
+  print(f"{same} of {len(a & b)} kernels identical (debug information aside), "
+        f"{len(differ)} differ; {len(a - b)} only before, {len(b - a)} only after")
+  return 0 if not differ and a == b else 1
+
+
+def main(argv) -> int:
+  if argv[:1] == ["--compare"] and len(argv) == 3:
+    return compare(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
+  if not argv or argv[0].startswith("-"):
+    print(__doc__, file=sys.stderr)
+    return 2
+  # the shipped tuning data only (never a developer's own verdicts), the default engine
+  os.environ["JAX_AUTOOVERLAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="ao-cache-")
+  os.environ.pop("JAX_AUTOOVERLAP_ENGINE", None)
+  sys.path.insert(0, str(REPO))
+  only = argv[argv.index("-k") + 1] if "-k" in argv else None
+  n = dump(pathlib.Path(argv[0]), only)
+  print(f"{n} kernels dumped to {argv[0]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
