@@ -26,6 +26,12 @@ Scenarios:
   missing_peer  both processes trace the program, only process 0 runs it: its
                 bounded waits expire, the call fails and check_errors() raises
                 CollectiveTimeoutError naming the peer (no hang).
+  nested_step   the user's pattern: a TP+SP model (2 SwiGLU layers under lax.scan +
+                jax.checkpoint) decorated with ao.jit, called from the user's own
+                jax.jit training step (VJP with a sharded cotangent, SGD): every
+                collective of forward and backward on the kernel (a plain one would fail
+                with NCCL's "Duplicate GPU"), explain's rows, output, input gradient and
+                updated weights against the same step run unsharded on the CPU.
 """
 from __future__ import annotations
 
@@ -41,8 +47,8 @@ REPO = os.path.dirname(HERE)
 M, K, N = 1024, 1024, 1024
 TOL = 2e-2  # bf16 outputs
 # Checks each process must report (a crash must not pass as "nothing failed").
-EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0)}
-TIMEOUT_S = {"kernels": 400, "missing_peer": 180}  # both fit in one 10-minute device call
+EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (5, 5)}
+TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300}
 
 
 # --- worker ------------------------------------------------------------------
@@ -105,6 +111,11 @@ def _worker(scenario: str, me: int, port: str):
   def rel(got, want):
     got = np.asarray(got, np.float64)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+  if scenario == "nested_step":
+    _nested_step(mesh, cfg, check, kv)
+    kv.wait_at_barrier("ao-test/done", 300_000)
+    return
 
   if scenario == "missing_peer":
     f_ag.lower(x, w).compile()  # both processes set up and compile; only process 0 runs it
@@ -194,6 +205,88 @@ def _worker(scenario: str, me: int, port: str):
               f"kernel in program: {'triton_kernel_call' in hlo}; relative errors "
               f"{[f'{e:.1e}' for e in errs]}")
   kv.wait_at_barrier("ao-test/done", 300_000)
+
+
+def _nested_step(mesh, cfg, check, kv):
+  """The nested_step scenario (see the module docstring); kv None: one process."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jax_autooverlap as ao
+  D, F, S, L = 256, 512, 512, 2
+  rng = np.random.default_rng(99)
+  as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  host = {k: as_bf16(rng.standard_normal(shape) / np.sqrt(shape[1]))
+          for k, shape in (("w1", (L, D, F)), ("w3", (L, D, F)), ("w2", (L, F, D)))}
+  X, CT = (as_bf16(rng.standard_normal((S, D))) for _ in range(2))
+  specs = {"w1": P(None, None, "x"), "w3": P(None, None, "x"), "w2": P(None, "x", None)}
+
+  def place(a, spec):  # every process gives the blocks of its devices
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                        lambda i: jnp.asarray(a[i], jnp.bfloat16))
+
+  def layer(x, p, gather, scatter):
+    g = gather(x)
+    h = jax.nn.silu(g @ p["w1"]) * (g @ p["w3"])
+    return x + scatter(h @ p["w2"])
+
+  def stack(params, x, gather, scatter):
+    one = lambda x, p: (jax.checkpoint(lambda x, p: layer(x, p, gather, scatter))(x, p), None)
+    return lax.scan(one, x, params)[0]
+
+  def train_step(model):
+    def step(params, x, ct):
+      out, vjp = jax.vjp(model, params, x)
+      grads, dx = vjp(ct)
+      return out, dx, grads, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+    return step
+
+  body = lambda params, x: stack(params, x, lambda v: lax.all_gather(v, "x", axis=0, tiled=True),
+                                 lambda v: lax.psum_scatter(v, "x", scatter_dimension=0,
+                                                            tiled=True))
+  model = ao.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("x")), out_specs=P("x")),
+                 overlap_config=cfg)
+  step = jax.jit(train_step(model))
+  params = {k: place(v, specs[k]) for k, v in host.items()}
+  x, ct = place(X, P("x")), place(CT, P("x"))
+
+  report = ao.explain(step, params, x, ct)
+  runs = "triton kernel" if cfg.impl == "triton" else "reference ring"
+  check("nested: every row fused",
+        report.matches and all(m.impl and m.impl.startswith(runs) for m in report),
+        "; ".join(f"{m.phase} {m.kind} {m.status} {m.impl}" for m in report))
+  phases = sorted(m.phase for m in report)
+  check("nested: forward, recomputed forward and backward rows",
+        phases == ["bwd", "bwd", "fwd", "fwd", "remat"], phases)
+  hlo = step.lower(params, x, ct).compile().as_text()
+  plain = [op for op in ("all-gather", "reduce-scatter", "all-reduce")
+           if f" {op}(" in hlo or f" {op}-start(" in hlo]
+  check("nested: no plain collective in the program", not plain, plain)
+  if kv is not None:
+    kv.wait_at_barrier("ao-test/nested-step-compiled", 300_000)
+  out, dx, grads, new = jax.block_until_ready(step(params, x, ct))
+
+  with jax.default_device(jax.devices("cpu")[0]):  # the same step unsharded, f32, on the CPU
+    ref = jax.jit(train_step(lambda p, x: stack(p, x, lambda v: v, lambda v: v)))(
+        {k: jnp.asarray(v) for k, v in host.items()}, jnp.asarray(X), jnp.asarray(CT))
+  ref = jax.tree.map(np.asarray, ref)
+
+  def rel(got, want):  # this process's first block of `got` against the same block of `want`
+    shard = got.addressable_shards[0]
+    g = np.asarray(shard.data, np.float64)
+    w = np.asarray(want, np.float64)[shard.index]
+    return float(np.linalg.norm(g - w) / np.linalg.norm(w))
+
+  errs = {"out": rel(out, ref[0]), "dx": rel(dx, ref[1]),
+          **{f"d{k}": rel(grads[k], ref[2][k]) for k in host}}
+  check("nested: output and every gradient equal the CPU reference", max(errs.values()) < TOL,
+        {k: f"{e:.1e}" for k, e in errs.items()})
+  errs = {k: rel(new[k], ref[3][k]) for k in host}
+  check("nested: updated weights equal the CPU reference", max(errs.values()) < TOL,
+        {k: f"{e:.1e}" for k, e in errs.items()})
 
 
 # --- launcher ------------------------------------------------------------------

@@ -193,3 +193,53 @@ def test_explain_of_a_function_without_ao_jit_says_what_ao_jit_would_do():
   assert report.fused and all(m.function == "body" for m in report), str(report)
   with pytest.raises(ValueError, match="pass the config to ao.jit"):
     ao.explain(ao.jit(model), params, x, overlap_config=ao.OverlapConfig(impl="unfused"))
+
+
+def test_flax_nnx_model_inside_an_nnx_jit_step():
+  """A Flax NNX module whose sharded MLP is an ao.jit function, trained by an nnx.jit step with
+  nnx.value_and_grad and an optax optimizer: nothing left to XLA's collectives, the same losses
+  and parameters as the undecorated model, and explain's rows name the user's lines."""
+  nnx = pytest.importorskip("flax.nnx")
+  optax = pytest.importorskip("optax")
+  mesh = cpu_mesh((4,), ("tp",))
+
+  def mlp(x, w_in, w_out):
+    h = jax.nn.gelu(AG(x) @ w_in)
+    return RS(h @ w_out)
+
+  sharded = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                          out_specs=P("tp"))
+
+  class MLP(nnx.Module):
+    def __init__(self, apply, rngs):
+      self.apply = apply
+      self.w_in = nnx.Param(randn(rngs.params(), (D, F), np.float32) / 4)
+      self.w_out = nnx.Param(randn(rngs.params(), (F, D), np.float32) / 4)
+
+    def __call__(self, x):
+      return self.apply(x, self.w_in[...], self.w_out[...])
+
+  def train(apply):
+    model = MLP(apply, nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+      loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+      opt.update(model, grads)
+      return loss
+
+    return model, opt, step
+
+  x = jax.device_put(randn(fresh_key(), (S, D), np.float32), NamedSharding(mesh, P("tp")))
+  (want_model, want_opt, want_step), (model, opt, step) = train(sharded), train(ao.jit(sharded))
+  report = ao.explain(step, model, opt, x)
+  assert [(m.phase, m.kind, m.status) for m in report] == [
+      ("fwd", "ag_matmul", "fused"), ("fwd", "matmul_rs", "fused"), ("bwd", "ag_matmul", "fused")
+  ], str(report)
+  assert all("test_nesting.py" in m.source and m.function == "mlp" for m in report), str(report)
+  for _ in range(3):
+    np.testing.assert_allclose(step(model, opt, x), want_step(want_model, want_opt, x),
+                               rtol=1e-5)
+  assert_close(model.w_in[...], want_model.w_in[...], np.float32)
+  assert_close(model.w_out[...], want_model.w_out[...], np.float32)
