@@ -22,6 +22,8 @@ class FakeCudaError(RuntimeError):
 class FakeDriver:
   GRANULARITY = 1 << 16
 
+  HINT_ALIGN = 1 << 25  # like the real driver: a hint counts at this alignment, rounded up
+
   def __init__(self, va_start: int | None = None, sms: int = 132, vmm: bool = True,
                honour_hints: bool = True, memory: int = 1 << 40):
     self.va_start = va_start if va_start is not None else \
@@ -69,6 +71,7 @@ class FakeDriver:
     return self._new_handle(os.dup(fd))
 
   def address_reserve(self, nbytes, alignment, hint=0):
+    hint = -(-hint // self.HINT_ALIGN) * self.HINT_ALIGN
     if hint and self.honour_hints and self._free(hint, nbytes):
       addr = hint
     else:

@@ -17,6 +17,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
+if scenario == "nested_step":  # collectives between the processes' CPU devices
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=60)
 
 import dataclasses  # noqa: E402
@@ -126,7 +128,23 @@ def planning_scenario():
   result["plan_tp_one_host"] = planning.plan(*args, axis_name="tp")[::2]
 
 
+def nested_step_scenario():
+  """tests/gpu_two_process.py's nested_step on CPU devices (one per process), the reference
+  ring for the fused ops: the scenario itself is checked here, its kernels on a GPU."""
+  import jax_autooverlap as ao
+  import gpu_two_process
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=[jax.local_devices(process_index=p)[0] for p in PROCS])
+  checks = result["checks"] = {}
+
+  def check(name, ok, detail=""):
+    checks[name] = [bool(ok), str(detail)[:200]]
+
+  gpu_two_process._nested_step(mesh, ao.OverlapConfig(impl="reference"), check, kv)
+
+
 {"rendezvous": rendezvous_scenario, "workspace": workspace_scenario,
+ "nested_step": nested_step_scenario,
  "workspace_libcuda": lambda: workspace_scenario(real_driver=True),
  "planning": planning_scenario}[scenario]()
 print("RESULT " + json.dumps(result), flush=True)

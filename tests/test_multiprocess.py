@@ -279,6 +279,18 @@ def _run_processes(scenario: str, n: int = 2, timeout: float = 150, env_extra=No
   return results
 
 
+def test_gpu_two_process_nested_step_scenario_on_cpu_processes():
+  """The two-process GPU harness's nested training step, run by two CPU processes with the
+  reference ring: the step has no plain collective, and output, gradients and updates match
+  the unsharded step in both processes (on a GPU the same scenario runs the kernels)."""
+  for p in _run_processes("nested_step", timeout=240):
+    failed = {k: v for k, v in p["checks"].items() if not v[0]}
+    # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
+    assert set(failed) == {"nested: every row fused"}, failed
+    assert "reference" in failed["nested: every row fused"][1]
+    assert len(p["checks"]) == 5
+
+
 def test_rendezvous_agreement_and_timeout_across_processes():
   p0, p1 = _run_processes("rendezvous")
   want = {"0": {"me": 0, "sq": 0}, "1": {"me": 1, "sq": 1}}
@@ -343,3 +355,38 @@ def test_planning_falls_back_across_hosts_in_every_process():
   assert p0["plan_dp_one_host"] == ["triton",
                                     "triton kernel (measured: fused kernel faster; tl engine), 2 processes"]
   assert p0["plan_tp_one_host"][0] == "triton"
+
+
+def test_va_agreement_moves_above_every_reservation_when_the_highest_is_taken():
+  """Round 0's candidate (the highest range reserved, the peer's) is held in this process:
+  the next round asks above everything reserved, which both can have.  Two stand-in drivers,
+  one per process, in lockstep through a scripted session that plays the peer's side."""
+  align, total = 1 << 16, 1 << 20
+  mine, peer = FakeDriver(), FakeDriver()
+  peer.va_start = mine.va_start + (1 << 30)
+  held = mine.address_reserve(total, align, peer.va_start)  # where the peer reserves first
+
+  class PeerSession:
+    tag, timeout_s = "t", 1.0
+
+    def __init__(self):
+      self.reserved, self.peer_ranges = [], []
+
+    def exchange(self, step, payload):
+      r = int(step[2:].split("-")[0])
+      if step.endswith("-ok"):  # the peer's side of the round, as _agree_va does it
+        cand = symmetric.candidate(r, self.reserved, total, align)
+        got = cand in self.peer_ranges or peer.address_reserve(total, align, cand) == cand
+        return {0: payload, 1: got}
+      self.peer_ranges.append(peer.address_reserve(total, align, 0))
+      self.reserved = [payload, self.peer_ranges[-1]]
+      return dict(enumerate(self.reserved))
+
+  session = PeerSession()
+  state = symmetric._Pieces(mine)
+  state.total = total
+  base = symmetric.CuMemAllocator(mine)._agree_va(session, state, align)
+  assert held == peer.va_start and base > max(session.reserved)
+  assert base % symmetric.VA_HINT_ALIGN == 0
+  assert state.ranges == [base] and base in peer.reserved
+  state.release()

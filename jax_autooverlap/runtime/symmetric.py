@@ -166,12 +166,12 @@ class CuMemAllocator(SymmetricAllocator):
 
   def _agree_va(self, session, state: "_Pieces", align: int) -> int:
     """A base address that every process reserved: each round, every process reserves a range
-    anywhere, the highest of those is the candidate, the others ask for it by hint."""
+    anywhere, and all ask for `candidate(...)` of what was reserved by hint."""
     drv = self._driver
     for r in range(VA_ROUNDS):
       mine = drv.address_reserve(state.total, align, 0)
       state.ranges.append(mine)
-      cand = max(session.exchange(f"va{r}", mine).values())
+      cand = candidate(r, session.exchange(f"va{r}", mine).values(), state.total, align)
       got = cand in state.ranges
       if not got:
         try:
@@ -188,6 +188,22 @@ class CuMemAllocator(SymmetricAllocator):
         return cand
     raise SetupError(f"no virtual address range of {state.total} bytes was free at the same "
                      f"address in every process after {VA_ROUNDS} tries")
+
+
+VA_GAP = 1 << 32  # how far above every process's reservations later rounds ask
+# The CUDA driver (580, H200) honours an address hint only at this alignment: it rounds other
+# hints up (seen: each hint came back 24 MiB above, at the next 32 MiB boundary).
+VA_HINT_ALIGN = 1 << 25
+
+
+def candidate(round_: int, reserved, total: int, align: int) -> int:
+  """The address every process asks for in a round, at the alignment the driver honours: the
+  highest range the processes just reserved, then, as rounds fail, further above all of them
+  (ranges high above every process's reservations are free in every process more often than
+  one that another process happens to hold)."""
+  step = max(align, VA_HINT_ALIGN)
+  top = max(reserved) + (0 if round_ == 0 else total + (2 ** round_ - 1) * VA_GAP)
+  return -(-top // step) * step
 
 
 class _Pieces:
