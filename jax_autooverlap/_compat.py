@@ -281,3 +281,11 @@ def varying_axes(x) -> frozenset:
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_over(x, axes):
+  """x marked varying over every axis of `axes` it does not vary over yet (JAX's pcast; a
+  no-op under check_vma=False)."""
+  from jax import lax
+  missing = tuple(sorted((a for a in axes if a not in varying_axes(x)), key=str))
+  return lax.pcast(x, missing, to="varying") if missing else x

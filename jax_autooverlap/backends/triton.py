@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_autooverlap._compat import import_jax_triton, scratch_out_type, varying_axes
+from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
 from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
 from jax_autooverlap.runtime import topology, workspace
@@ -49,15 +49,6 @@ def _table_row(table, mesh, axis_name):
     if name != axis_name:
       gid = gid * mesh.shape[name] + lax.axis_index(name)
   return lax.select_n(gid, *rows)
-
-
-def _vma(x):
-  return varying_axes(x)
-
-
-def _varying(x, axes):
-  axes = tuple(a for a in axes if a not in _vma(x))
-  return lax.pcast(x, axes, to="varying") if axes else x
 
 
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
@@ -108,8 +99,7 @@ def _group(mesh, axis_name, workspace_bytes: int):
 
 def _as_varying_like(x, inputs, axis_name):
   # jax-triton types its outputs as invariant; they vary like the inputs, and over the axis.
-  axes = set().union(*(_vma(i) for i in inputs)) | {axis_name}
-  return _varying(x, tuple(sorted(axes)))
+  return vary_over(x, set().union(*map(varying_axes, inputs)) | {axis_name})
 
 
 def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_gathered: bool,

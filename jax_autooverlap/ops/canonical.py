@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jax_autooverlap._compat import varying_axes
+from jax_autooverlap._compat import vary_over, varying_axes
 
 DotDimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 SWAP_MK = (0, 2, 1)
@@ -78,11 +78,8 @@ def as_varying(x, w, axis_name):
   'dp' times 'dp'-sharded activations) gets JAX's pcast, whose transpose sums
   its cotangent over that axis outside the fused op.
   """
-  axes = sorted({axis_name} | varying_axes(x) | varying_axes(w), key=str)
-  def cast(v):
-    missing = tuple(a for a in axes if a not in varying_axes(v))
-    return lax.pcast(v, missing, to="varying") if missing else v  # no-op under check_vma=False
-  return cast(x), cast(w)
+  axes = {axis_name} | varying_axes(x) | varying_axes(w)
+  return vary_over(x, axes), vary_over(w, axes)
 
 
 # --- to and from the canonical form -----------------------------------------------------
