@@ -243,3 +243,15 @@ def test_flax_nnx_model_inside_an_nnx_jit_step():
                                rtol=1e-5)
   assert_close(model.w_in[...], want_model.w_in[...], np.float32)
   assert_close(model.w_out[...], want_model.w_out[...], np.float32)
+
+
+def test_the_forward_rule_keeps_what_jax_vjp_keeps():
+  """The residuals the fused forward program hands to the backward one are jax.vjp's (the same
+  count and bytes, jax.checkpoint's policy applied): no extra copies of gathered activations."""
+  model, params, x = tp_sp_setup()
+  fused = ao.jit(model)
+  nbytes = lambda leaves: sum(l.size * l.dtype.itemsize for l in leaves)
+  want = jax.tree.leaves(jax.vjp(model, params, x)[1])
+  got = jax.tree.leaves(jax.vjp(fused, params, x)[1])
+  assert len(got) >= len(want) and nbytes(got) == nbytes(want), (
+      [(l.shape, l.dtype) for l in got], [(l.shape, l.dtype) for l in want])
