@@ -61,8 +61,6 @@ MAX_ITERS = 100
 Z = 2.0  # standard errors a candidate's median ratio must clear
 MIN_MARGIN = 0.01
 UNFUSED = "unfused"
-# Progress lines go here (the lowest process of the mesh writes them).
-LOG = sys.stderr
 
 
 class Program(Protocol):
@@ -105,7 +103,8 @@ def in_clean_thread(fn, *args):
 
 
 def log(msg: str) -> None:
-  print(f"[jax_autooverlap] {msg}", file=LOG, flush=True)
+  """A progress line on stderr (the lowest process of the mesh writes them)."""
+  print(f"[jax_autooverlap] {msg}", file=sys.stderr, flush=True)
 
 
 def _error(e: BaseException) -> str:
