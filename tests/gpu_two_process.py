@@ -1,13 +1,16 @@
 """Several processes sharing one GPU run the fused kernels over a mesh of their devices (needs a GPU).
 
-    python tests/gpu_two_process.py [--world 2|4|8] [--log FILE]
+    python tests/gpu_two_process.py [--world 2|4|8[,...]] [--log FILE] [--budget-s S]
         [--scenario kernels|missing_peer|nested_step|first_call]
         [--engine tl|gluon [--wg-partitions]]
 
-starts each scenario as `--world` processes (default 2; CUDA_VISIBLE_DEVICES=0 in
-each, XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one
-device per process, and prints a PASS/FAIL table (the first_call scenario also
-a table of its two runs, last); exit status 0 iff every check passed.
+starts each scenario as `--world` processes (default 2; several sizes, one after
+the other: --world 8,4,2; CUDA_VISIBLE_DEVICES=0 in each,
+XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one device
+per process, and prints a PASS/FAIL table (the first_call scenario also a table
+of its two runs), its verdict last; exit status 0 iff every check passed.
+--budget-s bounds the whole run: what would start after it is a FAIL row "not
+run", and the tables still print.
 tests/test_gpu_multiprocess.py runs it under `pytest -m gpu`.
 
 NCCL refuses several ranks on one GPU, so the programs hold no XLA collectives:
@@ -59,7 +62,7 @@ TOL = 2e-2  # bf16 outputs
 # Checks each process must report (a crash must not pass as "nothing failed"), by process
 # (0, others).
 EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (5, 5),
-                   "first_call": (8, 8), "first_call_again": (8, 8)}
+                   "first_call": (7, 7), "first_call_again": (7, 7)}
 TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300, "first_call": 420,
              "first_call_again": 240}
 SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call")
@@ -355,11 +358,9 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
   check("first_call: shapes measured" if not again else "first_call: nothing measured again",
         measured == 0 if again else measured > 0, f"{measured} measurement(s)")
   after = ao.explain(step, *args)
-  if on_gpu:
+  if on_gpu:  # (a plain collective left in the step would have failed it: NCCL "Duplicate GPU")
     check("first_call: every row on the kernel after the call", after.matches and all(
         m.impl.startswith("triton kernel (autotuned") for m in after), rows(after))
-    plain = _plain_collectives(step, args)
-    check("first_call: no plain collective in the program", not plain, plain)
   else:
     check("first_call: every row decided after the call", after.matches and all(
         m.impl.startswith(("triton kernel (autotuned", "unfused program on gpu (autotuned"))
@@ -393,9 +394,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_scenario(scenario: str, world: int, env_extra=None) -> tuple[list[dict], str, list]:
+def run_scenario(scenario: str, world: int, env_extra=None,
+                 budget_s: float = float("inf")) -> tuple[list[dict], str, list]:
   """Run one scenario's `world` processes; (checks, combined output tail, INFO records)."""
-  timeout_s = TIMEOUT_S[scenario] * (1 + world / 4)
+  timeout_s = min(TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
              XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
   env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
@@ -458,6 +460,8 @@ def main(argv) -> int:
       print("--wg-partitions needs --engine gluon", file=sys.stderr)
       return 2
     os.environ["AO_TEST_WG_PARTITIONS"] = "1"
+  budget = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else float("inf")
+  deadline = time.monotonic() + budget
   checks, tails, info = [], [], []
   for world in worlds:
     for scenario in scenarios:
@@ -467,12 +471,17 @@ def main(argv) -> int:
       else:
         cache, runs = {}, (scenario,)
       for run in runs:
-        c, t, i = run_scenario(run, world, cache)
+        left = deadline - time.monotonic()
+        if left < 30:
+          checks.append({"scenario": f"{run} x{world}", "process": "-", "ok": False,
+                         "check": "not run", "detail": f"--budget-s {budget:g} spent"})
+          continue
+        c, t, i = run_scenario(run, world, cache, left)
         checks, info = checks + c, info + i
         tails.append(t)
   lines = [f"{'scenario':<22} {'process':<8} {'result':<7} check / detail", "-" * 100]
   for c in checks:
-    lines.append(f"{c['scenario']:<22} {c['process']:<8} {'PASS' if c['ok'] else 'FAIL':<7} "
+    lines.append(f"{c['scenario']:<22} {c['process']!s:<8} {'PASS' if c['ok'] else 'FAIL':<7} "
                  f"{c['check']}" + (f"  [{c['detail']}]" if c["detail"] else ""))
   passed = bool(checks) and all(c["ok"] for c in checks)
   if info:
