@@ -352,9 +352,9 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
     check("first_call: explain before the call: every row measured on the first call",
           before.matches and before.pending == before.matches
           and all(m.code == "first_call" for m in before), rows(before))
-  measured, t_step = sum(measure._MEASURED.values()), time.perf_counter()
+  measured, t_step = measure.measurements(), time.perf_counter()
   got = jax.block_until_ready(step(*args))  # the first call: trace, measure, compile, run
-  measured, t_step = sum(measure._MEASURED.values()) - measured, time.perf_counter() - t_step
+  measured, t_step = measure.measurements() - measured, time.perf_counter() - t_step
   check("first_call: shapes measured" if not again else "first_call: nothing measured again",
         measured == 0 if again else measured > 0, f"{measured} measurement(s)")
   after = ao.explain(step, *args)

@@ -45,6 +45,11 @@ LOOSE_TOLERANCE = 0.15  # other dtypes (8-bit floats)
 _MEASURED = collections.Counter()  # (cache key, devices) -> measurements started here
 
 
+def measurements() -> int:
+  """First-call measurements this process has started (tests check a cached run starts none)."""
+  return sum(_MEASURED.values())
+
+
 def tolerance(dtype, out_dtype) -> float:
   return max(TOLERANCE.get(np.dtype(d).name, LOOSE_TOLERANCE) for d in (dtype, out_dtype))
 
@@ -68,7 +73,7 @@ class _Case:
       self.blocks = ((rows, k), (k, cols))
       self.out_spec, self.out_shape = P(axis_name), (rows, cols)
     self.seed = int(hashlib.sha256(f"{op}{sizes}{self.dtype.name}".encode()).hexdigest()[:7], 16)
-    self._args = {}
+    self._args, self._refs = {}, {}
 
   def position(self, device) -> int:
     """The device's index along the call's axis."""
@@ -93,15 +98,21 @@ class _Case:
     return self._args[s]
 
   def reference(self, s: int, device):
-    """This device's block of the output of input set s: XLA's dot on the device alone, f32."""
+    """This device's block of the output of input set s: XLA's dot on the device alone, f32
+    (computed once, shared by every program's check)."""
+    if (s, device) in self._refs:
+      return self._refs[(s, device)]
     j = self.position(device)
     whole = lambda which, axis: jnp.concatenate(
         [self.block(which, s, i, device) for i in range(self.n)], axis=axis)
     with jax.default_device(device):
       if self.op == "ag_rows":
-        return _dot(whole(0, 0), self.block(1, s, j, device))
-      rows = self.out_shape[0] // self.n
-      return _dot(whole(0, 1)[j * rows:(j + 1) * rows], whole(1, 0))
+        ref = _dot(whole(0, 0), self.block(1, s, j, device))
+      else:
+        rows = self.out_shape[0] // self.n
+        ref = _dot(whole(0, 1)[j * rows:(j + 1) * rows], whole(1, 0))
+    self._refs[(s, device)] = ref
+    return ref
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
