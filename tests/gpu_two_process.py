@@ -1,11 +1,11 @@
-"""Several processes sharing one GPU run the fused kernels over a mesh of their devices (needs a GPU).
+"""Processes sharing one GPU run the fused kernels over a mesh of their devices (needs a GPU).
 
-    python tests/gpu_two_process.py [--world 2|4|8[,...]] [--log FILE] [--budget-s S]
-        [--scenario kernels|missing_peer|nested_step|first_call]
+    python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
+        [--budget-s S] [--scenario kernels|missing_peer|nested_step|first_call]
         [--engine tl|gluon [--wg-partitions]]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
-the other: --world 8,4,2; CUDA_VISIBLE_DEVICES=0 in each,
+the other: --world 8,4,2, or all at once with --parallel; CUDA_VISIBLE_DEVICES=0 in each,
 XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one device
 per process, and prints a PASS/FAIL table (the first_call scenario also a table
 of its two runs), its verdict last; exit status 0 iff every check passed.
@@ -394,54 +394,68 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_scenario(scenario: str, world: int, env_extra=None,
-                 budget_s: float = float("inf")) -> tuple[list[dict], str, list]:
-  """Run one scenario's `world` processes; (checks, combined output tail, INFO records)."""
-  timeout_s = min(TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
-             XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
-  env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
-  env.pop("JAX_PLATFORMS", None)
-  port = str(_free_port())
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", scenario,
-                             str(i), str(world), port], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(world)]
-  deadline = time.monotonic() + timeout_s
-  outs = []
-  for i, p in enumerate(procs):
-    try:
-      out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      p.kill()
-      out, _ = p.communicate()
-      out += f"\n[process {i} killed after {timeout_s:g} s]"
-    outs.append((i, p.returncode, out))
-  checks, tail, info = [], [], []
-  name = f"{scenario} x{world}"
-  for i, rc, out in outs:
-    mine = [{**json.loads(l[len("CHECK "):]), "scenario": name} for l in out.splitlines()
-            if l.startswith("CHECK ")]
-    info += [json.loads(l[len("INFO "):]) for l in out.splitlines() if l.startswith("INFO ")]
-    want = EXPECTED_CHECKS[scenario][min(i, 1)]
-    checks += mine
-    checks.append({"scenario": name, "process": i, "check": f"reported {want} checks",
-                   "ok": len(mine) == want, "detail": f"{len(mine)} reported"})
-    checks.append({"scenario": name, "process": i, "check": "process exits cleanly",
-                   "ok": rc == 0, "detail": f"exit status {rc}"})
-    tail.append(f"--- {name}, process {i} (exit {rc}) ---\n" + "\n".join(
-        l for l in out.splitlines()[-40:] if not l.startswith("CHECK ")))
-  return checks, "\n".join(tail), info
+class Run:
+  """One scenario's `world` processes, started at once; `finish()` waits for them (bounded) and
+  returns (checks, combined output tail, INFO records).  Outputs go to files, so that no
+  process blocks on a full pipe while another is waited for."""
+
+  def __init__(self, scenario: str, world: int, env_extra=None, budget_s: float = float("inf")):
+    self.scenario, self.world = scenario, world
+    self.timeout_s = min(TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
+    env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
+    env.pop("JAX_PLATFORMS", None)
+    port = str(_free_port())
+    self.logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+    self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", scenario,
+                                    str(i), str(world), port], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, text=True)
+                  for i, log in enumerate(self.logs)]
+    self.deadline = time.monotonic() + self.timeout_s
+
+  def finish(self) -> tuple[list[dict], str, list]:
+    outs = []
+    for i, (p, log) in enumerate(zip(self.procs, self.logs)):
+      note = ""
+      try:
+        p.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        note = f"\n[process {i} killed after {self.timeout_s:g} s]"
+      log.seek(0)
+      outs.append((i, p.returncode, log.read() + note))
+      log.close()
+    checks, tail, info = [], [], []
+    name = f"{self.scenario} x{self.world}"
+    for i, rc, out in outs:
+      mine = [{**json.loads(l[len("CHECK "):]), "scenario": name} for l in out.splitlines()
+              if l.startswith("CHECK ")]
+      info += [json.loads(l[len("INFO "):]) for l in out.splitlines() if l.startswith("INFO ")]
+      want = EXPECTED_CHECKS[self.scenario][min(i, 1)]
+      checks += mine
+      checks.append({"scenario": name, "process": i, "check": f"reported {want} checks",
+                     "ok": len(mine) == want, "detail": f"{len(mine)} reported"})
+      checks.append({"scenario": name, "process": i, "check": "process exits cleanly",
+                     "ok": rc == 0, "detail": f"exit status {rc}"})
+      tail.append(f"--- {name}, process {i} (exit {rc}) ---\n" + "\n".join(
+          l for l in out.splitlines()[-40:] if not l.startswith("CHECK ")))
+    return checks, "\n".join(tail), info
 
 
-def _first_call_table(info: list[dict]) -> list[str]:
-  """One row per world and run: what process 0 saw (the checks say whether all agreed)."""
+def _first_call_table(info: list[dict], checks: list[dict]) -> list[str]:
+  """One row per group size and run: what process 0 saw, and the checks of every process."""
+  failed = lambda name: sum(not c["ok"] for c in checks if c["scenario"] == name)
   lines = [f"{'world':>5} {'run':>3} {'measured':>8} {'verdicts':>8} {'fused':>5} "
-           f"{'max rel err':>11} {'first step s':>12} {'run s':>6}"]
+           f"{'max rel err':>11} {'first step s':>12} {'run s':>6}  checks (all processes)"]
   for r in sorted(info, key=lambda r: (r["world"], r["run"])):
     if r["process"] == 0:
+      name = f"{'first_call' if r['run'] == 1 else 'first_call_again'} x{r['world']}"
+      bad = failed(name)
       lines.append(f"{r['world']:>5} {r['run']:>3} {r['measured']:>8} {r['verdicts']:>8} "
                    f"{r['fused']:>5} {r['max_rel_err']:>11.1e} {r['first_step_s']:>12.1f} "
-                   f"{r['seconds']:>6.1f}")
+                   f"{r['seconds']:>6.1f}  {f'{bad} FAILED' if bad else 'PASS'}")
   return lines
 
 
@@ -462,23 +476,28 @@ def main(argv) -> int:
     os.environ["AO_TEST_WG_PARTITIONS"] = "1"
   budget = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else float("inf")
   deadline = time.monotonic() + budget
+  # phases: each scenario's runs in order (first_call: twice, new processes, one fresh cache per
+  # group size); --parallel starts a phase's runs of every group size at once
+  phases = []
+  for scenario in scenarios:
+    runs = ("first_call", "first_call_again") if scenario == "first_call" else (scenario,)
+    phases += [[(run, world) for world in worlds] for run in runs]
+  caches = {w: {"JAX_AUTOOVERLAP_CACHE_DIR": tempfile.mkdtemp(prefix=f"ao-first-call-x{w}-")}
+            for w in worlds}
+  batches = phases if "--parallel" in argv else [[r] for phase in phases for r in phase]
   checks, tails, info = [], [], []
-  for world in worlds:
-    for scenario in scenarios:
-      if scenario == "first_call":  # twice, new processes, one fresh cache
-        cache = {"JAX_AUTOOVERLAP_CACHE_DIR": tempfile.mkdtemp(prefix=f"ao-first-call-x{world}-")}
-        runs = ("first_call", "first_call_again")
-      else:
-        cache, runs = {}, (scenario,)
-      for run in runs:
-        left = deadline - time.monotonic()
-        if left < 30:
-          checks.append({"scenario": f"{run} x{world}", "process": "-", "ok": False,
-                         "check": "not run", "detail": f"--budget-s {budget:g} spent"})
-          continue
-        c, t, i = run_scenario(run, world, cache, left)
-        checks, info = checks + c, info + i
-        tails.append(t)
+  for b, batch in enumerate(batches):
+    left = deadline - time.monotonic() - 30 * (len(batches) - 1 - b)  # 30 s for each one after
+    if left < 30:
+      checks += [{"scenario": f"{run} x{world}", "process": "-", "ok": False, "check": "not run",
+                  "detail": f"--budget-s {budget:g} spent"} for run, world in batch]
+      continue
+    started = [Run(run, world, caches[world] if run.startswith("first_call") else {}, left)
+               for run, world in batch]
+    for run in started:
+      c, t, i = run.finish()
+      checks, info = checks + c, info + i
+      tails.append(t)
   lines = [f"{'scenario':<22} {'process':<8} {'result':<7} check / detail", "-" * 100]
   for c in checks:
     lines.append(f"{c['scenario']:<22} {c['process']!s:<8} {'PASS' if c['ok'] else 'FAIL':<7} "
@@ -486,7 +505,7 @@ def main(argv) -> int:
   passed = bool(checks) and all(c["ok"] for c in checks)
   if info:
     lines += ["", "first-call measurement, default config (process 0's view; run 2: new "
-              "processes, same cache):"] + _first_call_table(info)
+              "processes, same cache):"] + _first_call_table(info, checks)
   lines.append("ALL PASS" if passed else "SOME CHECKS FAILED")
   report = "\n".join(lines)
   if not passed:

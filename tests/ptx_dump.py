@@ -12,8 +12,8 @@ with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and w
 warpgroup partitions), worlds 2, 4 and 8, a large and a ragged shape; every other config a
 first-call measurement may time (`candidate_configs`: the fixed candidates of each group size,
 the shipped cost models' ranked configs at the group sizes they were fit on), at its group
-size, the large shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs);
-the timeline builds (trace=True); the loopback set-up kernel.
+size, the large shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the
+benchmarks' configs); the timeline builds (trace=True); the loopback set-up kernel.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and

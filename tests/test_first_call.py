@@ -235,7 +235,8 @@ def test_verdicts_hold_for_the_kernel_sources_they_were_measured_with(monkeypatc
     assert v.source == "autotuned" and v.kernel == KernelConfig(chunks=2)
     # a kernel changes: the verdict no longer counts, and the planner says why
     before = store.kernel_hash()
-    (pkg / "kernels" / "gemm_rs.py").write_text((pkg / "kernels" / "gemm_rs.py").read_text() + "#\n")
+    source = pkg / "kernels" / "gemm_rs.py"
+    source.write_text(source.read_text() + "#\n")
     store.kernel_hash.cache_clear()
     store.clear_cache()
     assert store.kernel_hash() != before and key not in store.verdicts()

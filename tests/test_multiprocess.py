@@ -152,7 +152,8 @@ def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch)
   drv = FakeDriver(memory=8 << 20)
   monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=drv))
   monkeypatch.setattr(context, "platform", lambda mesh: "gpu")
-  monkeypatch.setattr(select, "choose_ag", lambda *a: select.Verdict(KernelConfig(), "measured"))
+  monkeypatch.setattr(select, "choose_ag",
+                      lambda *a, **k: select.Verdict(KernelConfig(), "measured"))
   mesh, bf16 = _cpu_mesh((2,), ("tp",)), jnp.bfloat16
   plan = lambda rows, cfg=ao.OverlapConfig(): planning.plan(
       "ag_rows", cfg, 2, (1, rows, 1024, 512), bf16, bf16, mesh, axis_name="tp")
