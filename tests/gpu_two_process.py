@@ -487,7 +487,7 @@ def main(argv) -> int:
   batches = phases if "--parallel" in argv else [[r] for phase in phases for r in phase]
   checks, tails, info = [], [], []
   for b, batch in enumerate(batches):
-    left = deadline - time.monotonic() - 30 * (len(batches) - 1 - b)  # 30 s for each one after
+    left = deadline - time.monotonic() - 60 * (len(batches) - 1 - b)  # 60 s for each one after
     if left < 30:
       checks += [{"scenario": f"{run} x{world}", "process": "-", "ok": False, "check": "not run",
                   "detail": f"--budget-s {budget:g} spent"} for run, world in batch]
