@@ -10,6 +10,10 @@
 #   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
 #   engine                python -m jax_autooverlap.bench.engine (one GPU; BENCH_ARGS)
 #   ncu-engine            bench/ncu_engine.py: hardware counters, engine vs cuBLAS (BENCH_ARGS)
+#   first-call            tests/gpu_two_process.py --scenario first_call --parallel: groups of WORLDS
+#                         (default 8,4,2) processes sharing the GPU, all at once, the default
+#                         config's first-call measurement, run twice on one cache per group;
+#                         bounded by FIRST_CALL_BUDGET_S (default 270); the table last
 #   any/path.py           a Python script run in the same environment (experiments)
 # TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
@@ -53,6 +57,10 @@ for step in "$@"; do
     ncu-engine)
       timeout ${BENCH_TIMEOUT:-420} python3 bench/ncu_engine.py --out "$OUT" "${bench_args[@]}" \
         2>&1 | tee "$OUT/ncu-engine.log" ;;
+    first-call)
+      timeout $(( ${FIRST_CALL_BUDGET_S:-270} + 30 )) python3 tests/gpu_two_process.py --parallel \
+        --scenario first_call --world "${WORLDS:-8,4,2}" --budget-s "${FIRST_CALL_BUDGET_S:-270}" \
+        --log "$OUT/first-call.log" 2>&1 | tee "$OUT/first-call.stdout" | tail -40 ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -32,6 +32,7 @@ from jax.tree_util import Partial
 
 from jax_autooverlap.rewrite import (Interpreter, Report, analyze, collect, forward_mode,
                                      make_jaxpr, regions)
+from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig, as_overlap_config
 
 
@@ -167,8 +168,10 @@ class AutoOverlapJit:
     return self._jitted.eval_shape(*args, **kwargs)
 
   def explain(self, *args, **kwargs) -> Report:
-    """Trace (without running) and report every candidate, fused or skipped, and why."""
-    return collect(self.trace(*args, **kwargs).jaxpr)
+    """Trace (without running or measuring) and report every candidate, fused or skipped, and
+    why; shapes whose first call will measure the kernel are "pending"."""
+    with context.explaining():
+      return collect(self.trace(*args, **kwargs).jaxpr)
 
   def __get__(self, obj, objtype=None):  # usable as a method decorator, like jax.jit
     if obj is None:
@@ -221,7 +224,8 @@ def explain(fun: Callable, *args, overlap_config: OverlapConfig | None = None, *
                        "ao.explain")
     return fun.explain(*args, **kwargs)
   as_overlap_config(overlap_config, "ao.explain: overlap_config")
-  report = collect(_trace(fun, args, kwargs), outside=True)
+  with context.explaining():  # plans, never measures: a call's first trace does that
+    report = collect(_trace(fun, args, kwargs), outside=True)
   if report.has_regions:
     return report
   return AutoOverlapJit(fun, overlap_config).explain(*args, **kwargs)

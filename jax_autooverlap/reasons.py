@@ -40,6 +40,8 @@ CODES = {
     "batched": "a batched matmul; the kernel covers 2-D operands",
     "unsupported_shape": "the kernel cannot run this shape, dtype or config",
     "never_measured": "no verdict or cost model for this GPU kind, group size and dtype",
+    "first_call": "no verdict yet: the first call measures the kernel against the unfused program",
+    "measure_failed": "the first-call measurement failed or its processes did not agree: unfused",
     "tuner_unfused": "measured or predicted: the unfused program is faster",
     "workspace": "the symmetric workspace does not cover the axis' groups",
     "kernel": "the GPU kernel runs",

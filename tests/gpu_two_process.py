@@ -1,37 +1,49 @@
-"""Two processes sharing one GPU run the fused kernels over a 2-device mesh (needs a GPU).
+"""Processes sharing one GPU run the fused kernels over a mesh of their devices (needs a GPU).
 
-    python tests/gpu_two_process.py [--log FILE] [--scenario kernels|missing_peer]
-                                    [--engine tl|gluon [--wg-partitions]]
+    python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
+        [--budget-s S] [--scenario kernels|missing_peer|nested_step|first_call]
+        [--engine tl|gluon [--wg-partitions]]
 
-starts each scenario as a pair of processes (CUDA_VISIBLE_DEVICES=0 in both,
-XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one
-device per process, and prints a PASS/FAIL table; exit status 0 iff every
-check passed.  tests/test_gpu_multiprocess.py runs it under `pytest -m gpu`.
+starts each scenario as `--world` processes (default 2; several sizes, one after
+the other: --world 8,4,2, or all at once with --parallel; CUDA_VISIBLE_DEVICES=0 in each,
+XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one device
+per process, and prints a PASS/FAIL table (the first_call scenario also a table
+of its two runs), its verdict last; exit status 0 iff every check passed.
+--budget-s bounds the whole run: what would start after it is a FAIL row "not
+run", and the tables still print.
+tests/test_gpu_multiprocess.py runs it under `pytest -m gpu`.
 
-NCCL refuses two ranks on one GPU, so the programs hold no XLA collectives:
+NCCL refuses several ranks on one GPU, so the programs hold no XLA collectives:
 inputs are built per process (make_array_from_process_local_data) from the
 same seeded host arrays, and every result is compared with a numpy reference
-of this process's shard.  The two processes' kernels rendezvous through
+of this process's shard.  The processes' kernels rendezvous through
 time-sliced contexts: timings mean nothing here.  --engine picks the kernels'
 engine (KernelConfig.engine; default: the tuner's choice); --wg-partitions with the
 gluon engine runs GEMM+RS with a consumer partition per warpgroup
 (KernelConfig.wg_partitions).
 
 Scenarios:
-  kernels       explain says "triton kernel ..., 2 processes"; AG+GEMM and GEMM+RS
-                equal the host reference; 1,000 repeated calls of each are
-                bit-identical; a lax.scan body holding each op; each op inside a
-                user's jax.jit (an ao.jit function called there, and the op
-                called directly).
-  missing_peer  both processes trace the program, only process 0 runs it: its
+  kernels       explain says "triton kernel ..., N processes"; AG+GEMM and GEMM+RS
+                equal the host reference; repeated calls of each are bit-identical;
+                a lax.scan body holding each op; each op inside a user's jax.jit (an
+                ao.jit function called there, and the op called directly).
+  missing_peer  every process traces the program, only process 0 runs it: its
                 bounded waits expire, the call fails and check_errors() raises
-                CollectiveTimeoutError naming the peer (no hang).
+                CollectiveTimeoutError naming a peer (no hang).
   nested_step   the user's pattern: a TP+SP model (2 SwiGLU layers under lax.scan +
                 jax.checkpoint) decorated with ao.jit, called from the user's own
                 jax.jit training step (VJP with a sharded cotangent, SGD): every
                 collective of forward and backward on the kernel (a plain one would fail
                 with NCCL's "Duplicate GPU"), explain's rows, output, input gradient and
                 updated weights against the same step run unsharded on the CPU.
+  first_call    the same step with the DEFAULT config (no impl="triton"), twice, in new
+                processes sharing one fresh tuning cache: the first run's explain says
+                every row is measured on the first call, the call measures each shape
+                (the unfused program fails here: NCCL refuses the processes, so the
+                fastest kernel config that passed its checks is chosen), every process
+                takes the same verdicts, the cache holds them, every row then runs the
+                kernel, results equal the CPU reference; the second run measures
+                nothing and runs the same kernels.
 """
 from __future__ import annotations
 
@@ -40,23 +52,28 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 M, K, N = 1024, 1024, 1024
 TOL = 2e-2  # bf16 outputs
-# Checks each process must report (a crash must not pass as "nothing failed").
-EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (5, 5)}
-TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300}
+# Checks each process must report (a crash must not pass as "nothing failed"), by process
+# (0, others).
+EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (5, 5),
+                   "first_call": (7, 7), "first_call_again": (7, 7)}
+TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300, "first_call": 420,
+             "first_call_again": 240}
+SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call")
 
 
 # --- worker ------------------------------------------------------------------
 
-def _worker(scenario: str, me: int, port: str):
+def _worker(scenario: str, me: int, n: int, port: str):
   sys.path.insert(0, REPO)
   import jax
-  jax.distributed.initialize(f"127.0.0.1:{port}", 2, me, initialization_timeout=120)
+  jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=120)
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
@@ -74,18 +91,23 @@ def _worker(scenario: str, me: int, port: str):
                                  "ok": bool(ok), "detail": str(detail)[:300]}), flush=True)
 
   gpus = jax.devices()
-  if len(gpus) != 2 or any(d.platform != "gpu" for d in gpus):
-    check("two GPU devices, one per process", False, f"devices {gpus}")
+  if len(gpus) != n or any(d.platform != "gpu" for d in gpus):
+    check(f"{n} GPU devices, one per process", False, f"devices {gpus}")
     return
-  mesh = jax.make_mesh((2,), ("x",), devices=gpus, axis_types=(jax.sharding.AxisType.Auto,))
-  rng = np.random.default_rng(1234)  # the same host arrays in both processes
+  mesh = jax.make_mesh((n,), ("x",), devices=gpus, axis_types=(jax.sharding.AxisType.Auto,))
+  if scenario.startswith("first_call"):
+    info = _first_call_step(mesh, check, kv, again=scenario == "first_call_again", on_gpu=True)
+    print("INFO " + json.dumps(info), flush=True)
+    kv.wait_at_barrier("ao-test/done", 300_000)
+    return
+  rng = np.random.default_rng(1234)  # the same host arrays in every process
   bf16 = lambda a: np.asarray(a, np.float32).astype(jnp.bfloat16)
   X = bf16(rng.standard_normal((M, K)))
   W = bf16(rng.standard_normal((K, N)) / np.sqrt(K))
   H = bf16(rng.standard_normal((M, K)))
   W2 = bf16(rng.standard_normal((K, N)) / np.sqrt(K))
-  rows, cols = slice(me * M // 2, (me + 1) * M // 2), slice(me * N // 2, (me + 1) * N // 2)
-  kcols = slice(me * K // 2, (me + 1) * K // 2)
+  rows, cols = slice(me * M // n, (me + 1) * M // n), slice(me * N // n, (me + 1) * N // n)
+  kcols = slice(me * K // n, (me + 1) * K // n)
 
   def global_array(local, spec, shape):
     return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, shape)
@@ -113,7 +135,7 @@ def _worker(scenario: str, me: int, port: str):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
   if scenario == "nested_step":
-    _nested_step(mesh, cfg, check, kv)
+    _nested_step(mesh, cfg, check, kv, "kernel")
     kv.wait_at_barrier("ao-test/done", 300_000)
     return
 
@@ -131,7 +153,7 @@ def _worker(scenario: str, me: int, port: str):
         check("check_errors raises CollectiveTimeoutError", False, "no error recorded")
       except CollectiveTimeoutError as e:
         check("check_errors raises CollectiveTimeoutError",
-              "ag_matmul over axis 'x'" in str(e) and "from peer rank 1" in str(e), e)
+              "ag_matmul over axis 'x'" in str(e) and "from peer rank" in str(e), e)
     kv.wait_at_barrier("ao-test/done", 300_000)
     # Process 0's CUDA context is lost: skip the teardown (XLA may abort on it), in both
     # processes so that neither waits for the other at jax.distributed's shutdown.
@@ -140,20 +162,21 @@ def _worker(scenario: str, me: int, port: str):
 
   for name, f, args in (("ag", f_ag, (x, w)), ("rs", f_rs, (h, w2))):
     impl = f.explain(*args).matches[0].impl
-    check(f"{name}: explain", impl.startswith("triton kernel") and "2 processes" in impl, impl)
+    check(f"{name}: explain", impl.startswith("triton kernel") and f"{n} processes" in impl, impl)
   f_ag.lower(x, w).compile(), f_rs.lower(h, w2).compile()
   kv.wait_at_barrier("ao-test/compiled", 300_000)  # no first call waits on a compiling peer
 
+  repeats = 2000 // n  # the contexts are time-sliced: fewer calls in larger groups
   for name, f, args, want in (("ag", f_ag, (x, w), want_ag), ("rs", f_rs, (h, w2), want_rs)):
     first = local(f(*args))
     err = rel(first, want)
     check(f"{name}: equals the host reference", err < TOL, f"relative error {err:.2e}")
     t0 = time.perf_counter()
     worst = jnp.zeros((), jnp.float32)
-    for _ in range(1000):  # local (this device's) comparisons only: no collectives
+    for _ in range(repeats):  # local (this device's) comparisons only: no collectives
       worst = jnp.maximum(worst, jnp.max(jnp.abs(local(f(*args)) - first).astype(jnp.float32)))
     worst = float(worst)
-    check(f"{name}: 1,000 repeated calls bit-identical", worst == 0.0,
+    check(f"{name}: {repeats:,} repeated calls bit-identical", worst == 0.0,
           f"max |diff| {worst} ({time.perf_counter() - t0:.1f} s)")
 
   steps = 20
@@ -167,10 +190,10 @@ def _worker(scenario: str, me: int, port: str):
     return body
 
   scale = lambda A, i: f32(bf16(f32(A) * (1 + i / 64)))
-  s_ag = ao.jit(jax.shard_map(scanned(ag, (M, N // 2)), mesh=mesh,
+  s_ag = ao.jit(jax.shard_map(scanned(ag, (M, N // n)), mesh=mesh,
                               in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")),
                 overlap_config=cfg)
-  s_rs = ao.jit(jax.shard_map(scanned(rs, (M // 2, N)), mesh=mesh,
+  s_rs = ao.jit(jax.shard_map(scanned(rs, (M // n, N)), mesh=mesh,
                               in_specs=(P(None, "x"), P("x", None)), out_specs=P("x")),
                 overlap_config=cfg)
   want_s_ag = sum(scale(X, i) @ f32(W[:, cols]) for i in range(steps))
@@ -207,8 +230,9 @@ def _worker(scenario: str, me: int, port: str):
   kv.wait_at_barrier("ao-test/done", 300_000)
 
 
-def _nested_step(mesh, cfg, check, kv):
-  """The nested_step scenario (see the module docstring); kv None: one process."""
+def _step_case(mesh, cfg):
+  """The nested_step program: (step, (params, x, ct), the host arrays, the reference outputs:
+  the same step run unsharded in f32 on this process's CPU)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -251,30 +275,20 @@ def _nested_step(mesh, cfg, check, kv):
                  overlap_config=cfg)
   step = jax.jit(train_step(model))
   params = {k: place(v, specs[k]) for k, v in host.items()}
-  x, ct = place(X, P("x")), place(CT, P("x"))
-
-  report = ao.explain(step, params, x, ct)
-  runs = "triton kernel" if cfg.impl == "triton" else "reference ring"
-  check("nested: every row fused",
-        report.matches and all(m.impl and m.impl.startswith(runs) for m in report),
-        "; ".join(f"{m.phase} {m.kind} {m.status} {m.impl or m.reason}" for m in report))
-  phases = sorted(m.phase for m in report)
-  check("nested: forward, recomputed forward and backward rows",
-        phases == ["bwd", "bwd", "fwd", "fwd", "remat"], phases)
-  hlo = step.lower(params, x, ct).compile().as_text()
-  plain = [op for op in ("all-gather", "reduce-scatter", "all-reduce")
-           if f" {op}(" in hlo or f" {op}-start(" in hlo]
-  check("nested: no plain collective in the program", not plain, plain)
-  if kv is not None:
-    kv.wait_at_barrier("ao-test/nested-step-compiled", 300_000)
-  out, dx, grads, new = jax.block_until_ready(step(params, x, ct))
-
+  args = (params, place(X, P("x")), place(CT, P("x")))
   with jax.default_device(jax.local_devices(backend="cpu")[0]):  # unsharded, f32, this CPU
     ref = jax.jit(train_step(lambda p, x: stack(p, x, lambda v: v, lambda v: v)))(
         {k: jnp.asarray(v) for k, v in host.items()}, jnp.asarray(X), jnp.asarray(CT))
-  ref = jax.tree.map(np.asarray, ref)
+  return step, args, host, jax.tree.map(np.asarray, ref)
 
-  def rel(got, want):  # this process's first block of `got` against the same block of `want`
+
+def _check_step_results(check, got, host, ref) -> float:
+  """Output, input gradient, every weight gradient and update against the reference (this
+  process's first block of each); the largest relative error."""
+  import numpy as np
+  out, dx, grads, new = got
+
+  def rel(got, want):
     shard = got.addressable_shards[0]
     g = np.asarray(shard.data, np.float64)
     w = np.asarray(want, np.float64)[shard.index]
@@ -284,9 +298,92 @@ def _nested_step(mesh, cfg, check, kv):
           **{f"d{k}": rel(grads[k], ref[2][k]) for k in host}}
   check("nested: output and every gradient equal the CPU reference", max(errs.values()) < TOL,
         {k: f"{e:.1e}" for k, e in errs.items()})
-  errs = {k: rel(new[k], ref[3][k]) for k in host}
-  check("nested: updated weights equal the CPU reference", max(errs.values()) < TOL,
-        {k: f"{e:.1e}" for k, e in errs.items()})
+  updates = {k: rel(new[k], ref[3][k]) for k in host}
+  check("nested: updated weights equal the CPU reference", max(updates.values()) < TOL,
+        {k: f"{e:.1e}" for k, e in updates.items()})
+  return max(*errs.values(), *updates.values())
+
+
+def _plain_collectives(step, args) -> list[str]:
+  hlo = step.lower(*args).compile().as_text()
+  return [op for op in ("all-gather", "reduce-scatter", "all-reduce")
+          if f" {op}(" in hlo or f" {op}-start(" in hlo]
+
+
+def _nested_step(mesh, cfg, check, kv, mode):
+  """The nested_step scenario (see the module docstring); mode "kernel" (GPUs: every row on the
+  kernel) or "reference" (CPU processes: the reference ring); kv None: one process."""
+  import jax
+  import jax_autooverlap as ao
+  step, args, host, ref = _step_case(mesh, cfg)
+  report = ao.explain(step, *args)
+  runs = "triton kernel" if mode == "kernel" else "reference ring"
+  check("nested: every row fused",
+        report.matches and all(m.impl and m.impl.startswith(runs) for m in report),
+        "; ".join(f"{m.phase} {m.kind} {m.status} {m.impl or m.reason}" for m in report))
+  phases = sorted(m.phase for m in report)
+  check("nested: forward, recomputed forward and backward rows",
+        phases == ["bwd", "bwd", "fwd", "fwd", "remat"], phases)
+  plain = _plain_collectives(step, args)
+  check("nested: no plain collective in the program", not plain, plain)
+  if kv is not None:
+    kv.wait_at_barrier("ao-test/nested-step-compiled", 300_000)
+  _check_step_results(check, jax.block_until_ready(step(*args)), host, ref)
+
+
+def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
+  """The first_call scenario (module docstring) in this process, with the DEFAULT config:
+  `again` is the second run (same cache, new processes); on_gpu: the unfused program cannot
+  run here, so every row must end on the kernel (on CPU processes the kernels' stand-ins and
+  the unfused program both run: either may win).  Returns what the table shows."""
+  import jax
+  import jax_autooverlap as ao
+  from jax_autooverlap.ops import measure
+  from jax_autooverlap.tuning import store
+  t0 = time.perf_counter()
+  n = mesh.shape["x"]
+  step, args, host, ref = _step_case(mesh, ao.OverlapConfig())
+  before = ao.explain(step, *args)
+  rows = lambda r: "; ".join(f"{m.phase} {m.kind} {m.status} {m.impl or m.reason}" for m in r)
+  if again:
+    check("first_call: explain before the call: every row decided from the cache",
+          before.matches and not before.pending, rows(before))
+  else:
+    check("first_call: explain before the call: every row measured on the first call",
+          before.matches and before.pending == before.matches
+          and all(m.code == "first_call" for m in before), rows(before))
+  measured, t_step = measure.measurements(), time.perf_counter()
+  got = jax.block_until_ready(step(*args))  # the first call: trace, measure, compile, run
+  measured, t_step = measure.measurements() - measured, time.perf_counter() - t_step
+  check("first_call: shapes measured" if not again else "first_call: nothing measured again",
+        measured == 0 if again else measured > 0, f"{measured} measurement(s)")
+  after = ao.explain(step, *args)
+  if on_gpu:  # (a plain collective left in the step would have failed it: NCCL "Duplicate GPU")
+    check("first_call: every row on the kernel after the call", after.matches and all(
+        m.impl.startswith("triton kernel (autotuned") for m in after), rows(after))
+  else:
+    check("first_call: every row decided after the call", after.matches and all(
+        m.impl.startswith(("triton kernel (autotuned", "unfused program on gpu (autotuned"))
+        for m in after), rows(after))
+  err = _check_step_results(check, got, host, ref)
+  mine = {k: v for k, v in store.verdicts().items()
+          if v.get("source") == "first_call" and f"|w{n}|" in k}
+  kv.key_value_set(f"ao-test/verdicts/{'again' if again else 'first'}/{jax.process_index()}",
+                   json.dumps(mine, sort_keys=True))
+  kv.wait_at_barrier(f"ao-test/verdicts-{again}", 300_000)
+  theirs = [json.loads(kv.blocking_key_value_get(
+      f"ao-test/verdicts/{'again' if again else 'first'}/{p}", 60_000)) for p in range(n)]
+  check("first_call: every process has the same verdicts",
+        mine and all(t == mine for t in theirs), f"{len(mine)} verdict(s)")
+  on_disk = {}
+  for path in store.user_cache_dir().glob("tuning-*.json"):
+    on_disk.update(json.loads(path.read_text()))
+  check("first_call: the cache holds them", all(on_disk.get(k) == v for k, v in mine.items()),
+        f"{sum(k in on_disk for k in mine)} of {len(mine)} in {store.user_cache_dir()}")
+  fused = sum(v["impl"] == "triton" for v in mine.values())
+  return {"process": jax.process_index(), "world": n, "run": 2 if again else 1,
+          "verdicts": len(mine), "fused": fused, "measured": measured, "max_rel_err": err,
+          "first_step_s": round(t_step, 1), "seconds": round(time.perf_counter() - t0, 1)}
 
 
 # --- launcher ------------------------------------------------------------------
@@ -297,47 +394,79 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_scenario(scenario: str) -> tuple[list[dict], str]:
-  """Run one scenario's two processes; (checks, combined output tail)."""
-  timeout_s = TIMEOUT_S[scenario]
-  env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
-             XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
-  env.pop("JAX_PLATFORMS", None)
-  port = str(_free_port())
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", scenario,
-                             str(i), port], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  deadline = time.monotonic() + timeout_s
-  outs = []
-  for i, p in enumerate(procs):
-    try:
-      out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      p.kill()
-      out, _ = p.communicate()
-      out += f"\n[process {i} killed after {timeout_s:g} s]"
-    outs.append((i, p.returncode, out))
-  checks, tail = [], []
-  for i, rc, out in outs:
-    mine = [json.loads(l[len("CHECK "):]) for l in out.splitlines() if l.startswith("CHECK ")]
-    want = EXPECTED_CHECKS[scenario][i]
-    checks += mine
-    checks.append({"scenario": scenario, "process": i, "check": f"reported {want} checks",
-                   "ok": len(mine) == want, "detail": f"{len(mine)} reported"})
-    checks.append({"scenario": scenario, "process": i, "check": "process exits cleanly",
-                   "ok": rc == 0, "detail": f"exit status {rc}"})
-    tail.append(f"--- {scenario}, process {i} (exit {rc}) ---\n" + "\n".join(
-        l for l in out.splitlines()[-40:] if not l.startswith("CHECK ")))
-  return checks, "\n".join(tail)
+class Run:
+  """One scenario's `world` processes, started at once; `finish()` waits for them (bounded) and
+  returns (checks, combined output tail, INFO records).  Outputs go to files, so that no
+  process blocks on a full pipe while another is waited for."""
+
+  def __init__(self, scenario: str, world: int, env_extra=None, budget_s: float = float("inf")):
+    self.scenario, self.world = scenario, world
+    self.timeout_s = min(TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
+               XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
+    env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
+    env.pop("JAX_PLATFORMS", None)
+    port = str(_free_port())
+    self.logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
+    self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "worker", scenario,
+                                    str(i), str(world), port], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, text=True)
+                  for i, log in enumerate(self.logs)]
+    self.deadline = time.monotonic() + self.timeout_s
+
+  def finish(self) -> tuple[list[dict], str, list]:
+    outs = []
+    for i, (p, log) in enumerate(zip(self.procs, self.logs)):
+      note = ""
+      try:
+        p.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        note = f"\n[process {i} killed after {self.timeout_s:g} s]"
+      log.seek(0)
+      outs.append((i, p.returncode, log.read() + note))
+      log.close()
+    checks, tail, info = [], [], []
+    name = f"{self.scenario} x{self.world}"
+    for i, rc, out in outs:
+      mine = [{**json.loads(l[len("CHECK "):]), "scenario": name} for l in out.splitlines()
+              if l.startswith("CHECK ")]
+      info += [json.loads(l[len("INFO "):]) for l in out.splitlines() if l.startswith("INFO ")]
+      want = EXPECTED_CHECKS[self.scenario][min(i, 1)]
+      checks += mine
+      checks.append({"scenario": name, "process": i, "check": f"reported {want} checks",
+                     "ok": len(mine) == want, "detail": f"{len(mine)} reported"})
+      checks.append({"scenario": name, "process": i, "check": "process exits cleanly",
+                     "ok": rc == 0, "detail": f"exit status {rc}"})
+      tail.append(f"--- {name}, process {i} (exit {rc}) ---\n" + "\n".join(
+          l for l in out.splitlines()[-40:] if not l.startswith("CHECK ")))
+    return checks, "\n".join(tail), info
+
+
+def _first_call_table(info: list[dict], checks: list[dict]) -> list[str]:
+  """One row per group size and run: what process 0 saw, and the checks of every process."""
+  failed = lambda name: sum(not c["ok"] for c in checks if c["scenario"] == name)
+  lines = [f"{'world':>5} {'run':>3} {'measured':>8} {'verdicts':>8} {'fused':>5} "
+           f"{'max rel err':>11} {'first step s':>12} {'run s':>6}  checks (all processes)"]
+  for r in sorted(info, key=lambda r: (r["world"], r["run"])):
+    if r["process"] == 0:
+      name = f"{'first_call' if r['run'] == 1 else 'first_call_again'} x{r['world']}"
+      bad = failed(name)
+      lines.append(f"{r['world']:>5} {r['run']:>3} {r['measured']:>8} {r['verdicts']:>8} "
+                   f"{r['fused']:>5} {r['max_rel_err']:>11.1e} {r['first_step_s']:>12.1f} "
+                   f"{r['seconds']:>6.1f}  {f'{bad} FAILED' if bad else 'PASS'}")
+  return lines
 
 
 def main(argv) -> int:
   if argv[:1] == ["worker"]:
-    _worker(argv[1], int(argv[2]), argv[3])
+    _worker(argv[1], int(argv[2]), int(argv[3]), argv[4])
     return 0
   log = argv[argv.index("--log") + 1] if "--log" in argv else None
-  scenarios = [argv[argv.index("--scenario") + 1]] if "--scenario" in argv else list(TIMEOUT_S)
+  scenarios = ([argv[argv.index("--scenario") + 1]] if "--scenario" in argv else list(SCENARIOS))
+  worlds = [int(w) for w in argv[argv.index("--world") + 1].split(",")] if "--world" in argv \
+      else [2]
   if "--engine" in argv:  # the workers read it (they inherit the environment)
     os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
   if "--wg-partitions" in argv:  # GEMM+RS with a consumer partition per warpgroup (gluon)
@@ -345,21 +474,43 @@ def main(argv) -> int:
       print("--wg-partitions needs --engine gluon", file=sys.stderr)
       return 2
     os.environ["AO_TEST_WG_PARTITIONS"] = "1"
-  checks, tails = [], []
+  budget = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else float("inf")
+  deadline = time.monotonic() + budget
+  # phases: each scenario's runs in order (first_call: twice, new processes, one fresh cache per
+  # group size); --parallel starts a phase's runs of every group size at once
+  phases = []
   for scenario in scenarios:
-    c, t = run_scenario(scenario)
-    checks += c
-    tails.append(t)
-  lines = [f"{'scenario':<13} {'process':<8} {'result':<7} check / detail", "-" * 100]
+    runs = ("first_call", "first_call_again") if scenario == "first_call" else (scenario,)
+    phases += [[(run, world) for world in worlds] for run in runs]
+  caches = {w: {"JAX_AUTOOVERLAP_CACHE_DIR": tempfile.mkdtemp(prefix=f"ao-first-call-x{w}-")}
+            for w in worlds}
+  batches = phases if "--parallel" in argv else [[r] for phase in phases for r in phase]
+  checks, tails, info = [], [], []
+  for b, batch in enumerate(batches):
+    left = deadline - time.monotonic() - 60 * (len(batches) - 1 - b)  # 60 s for each one after
+    if left < 30:
+      checks += [{"scenario": f"{run} x{world}", "process": "-", "ok": False, "check": "not run",
+                  "detail": f"--budget-s {budget:g} spent"} for run, world in batch]
+      continue
+    started = [Run(run, world, caches[world] if run.startswith("first_call") else {}, left)
+               for run, world in batch]
+    for run in started:
+      c, t, i = run.finish()
+      checks, info = checks + c, info + i
+      tails.append(t)
+  lines = [f"{'scenario':<22} {'process':<8} {'result':<7} check / detail", "-" * 100]
   for c in checks:
-    lines.append(f"{c['scenario']:<13} {c['process']:<8} {'PASS' if c['ok'] else 'FAIL':<7} "
+    lines.append(f"{c['scenario']:<22} {c['process']!s:<8} {'PASS' if c['ok'] else 'FAIL':<7} "
                  f"{c['check']}" + (f"  [{c['detail']}]" if c["detail"] else ""))
   passed = bool(checks) and all(c["ok"] for c in checks)
+  if info:
+    lines += ["", "first-call measurement, default config (process 0's view; run 2: new "
+              "processes, same cache):"] + _first_call_table(info, checks)
   lines.append("ALL PASS" if passed else "SOME CHECKS FAILED")
   report = "\n".join(lines)
-  print(report)
   if not passed:
     print("\n".join(tails))
+  print(report)
   if log:
     with open(log, "w") as f:
       f.write(report + "\n\n" + "\n".join(tails) + "\n")

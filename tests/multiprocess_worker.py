@@ -13,12 +13,14 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 scenario, me, n, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+if "AO_TEST_CACHE_DIRS" in os.environ:  # one tuning cache per process (as on several hosts)
+  os.environ["JAX_AUTOOVERLAP_CACHE_DIR"] = os.path.join(os.environ["AO_TEST_CACHE_DIRS"], str(me))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-if scenario == "nested_step":  # collectives between the processes' CPU devices
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if scenario in ("nested_step", "first_call_step", "first_call_step_again"):
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # between the processes' CPUs
 jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=60)
 
 import dataclasses  # noqa: E402
@@ -140,11 +142,98 @@ def nested_step_scenario():
   def check(name, ok, detail=""):
     checks[name] = [bool(ok), str(detail)[:200]]
 
-  gpu_two_process._nested_step(mesh, ao.OverlapConfig(impl="reference"), check, kv)
+  gpu_two_process._nested_step(mesh, ao.OverlapConfig(impl="reference"), check, kv, "reference")
+
+
+def _planned_as_gpus():
+  """This process's CPU devices planned as GPUs: a stand-in workspace, the kernels' unfused math
+  traced where a kernel is planned (as tests/conftest.py's stand_in_kernels)."""
+  from jax_autooverlap.ops import registry
+  from jax_autooverlap.runtime import context
+  context.platform = lambda mesh: None if mesh is None else "gpu"
+  workspace.REGISTRY = workspace.WorkspaceRegistry(driver=FakeDriver())
+  for name in ("ag_rows", "rs_rows"):
+    impls = registry.core(name).impls
+    impls["triton"] = dataclasses.replace(impls["triton"], run=impls["unfused"].run)
+
+
+def _one_device_per_process_mesh():
+  return jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=[jax.local_devices(process_index=p)[0] for p in PROCS])
+
+
+def first_call_step_scenario(again: bool):
+  """tests/gpu_two_process.py's first_call scenario on CPU processes (DEFAULT config; the
+  kernels' stand-ins): the first-call measurement, its agreement and its cache, for real."""
+  import gpu_two_process
+  _planned_as_gpus()
+  checks = result["checks"] = {}
+
+  def check(name, ok, detail=""):
+    checks[name] = [bool(ok), str(detail)[:300]]
+
+  result["info"] = gpu_two_process._first_call_step(_one_device_per_process_mesh(), check, kv,
+                                                    again=again, on_gpu=False)
+  from jax_autooverlap.tuning import store
+  result["verdicts"] = {k: v for k, v in store.verdicts().items()
+                        if v.get("source") == "first_call"}
+
+
+def agree_scenario(dies: int | None):
+  """First-call measurement through the planner with injected timings that differ by process
+  (process 0 alone would choose candidate 0, the others candidate 1); `dies`: that process
+  exits while compiling candidate 1 (the others must fall back, with one reason, no hang)."""
+  import time
+  import jax.numpy as jnp
+  import jax_autooverlap as ao
+  from jax_autooverlap.ops import measure, planning
+  from jax_autooverlap.tuning import store
+  _planned_as_gpus()
+  times = {None: 1.0, 0: 0.8 if me == 0 else 1.3, 1: 0.9}
+
+  @dataclasses.dataclass
+  class Program:
+    label: str
+    case: object
+    core_name: str
+    cp: object
+
+    def compile(self):
+      if dies == me and self.label == "1":
+        os._exit(3)
+
+    def check(self):
+      pass
+
+    def time(self, iters):
+      return times[None if self.label == "unfused" else int(self.label)]
+
+  measure._Program, measure._Case = Program, lambda *a: None
+  mesh = _one_device_per_process_mesh()
+  t0 = time.monotonic()
+  impl, gpu, why = planning.plan("ag_rows", ao.OverlapConfig(), n, (1, 1024, 4096, 512),
+                                 jnp.bfloat16, jnp.bfloat16, mesh, axis_name="x", may_time=True)
+  result["elapsed_s"] = time.monotonic() - t0
+  result["impl"], result["code"], result["why"] = impl, why.code, str(why)
+  result["kernel"] = None if gpu is None else dataclasses.asdict(gpu.kernel)
+  path = store.user_cache_dir() / "tuning-ag.json"
+  result["cache"] = json.loads(path.read_text()) if path.exists() else None
+  if dies is not None:  # the coordinator (process 0) stays until every survivor has its answer
+    kv.key_value_set(f"t/done/{me}", "1")
+    if me == 0:
+      for p in PROCS:
+        if p != dies:
+          kv.blocking_key_value_get(f"t/done/{p}", 60_000)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # jax.distributed's shutdown would wait for the process that died
 
 
 {"rendezvous": rendezvous_scenario, "workspace": workspace_scenario,
  "nested_step": nested_step_scenario,
  "workspace_libcuda": lambda: workspace_scenario(real_driver=True),
- "planning": planning_scenario}[scenario]()
+ "planning": planning_scenario,
+ "first_call_step": lambda: first_call_step_scenario(again=False),
+ "first_call_step_again": lambda: first_call_step_scenario(again=True),
+ "agree": lambda: agree_scenario(dies=None),
+ "agree_dies": lambda: agree_scenario(dies=2)}[scenario]()
 print("RESULT " + json.dumps(result), flush=True)

@@ -9,9 +9,11 @@ written to OUT_DIR/<case>.ptx, the case's name spelling out op, dtype, config, w
 shape.  The cases: AG+GEMM (with and without the gathered output) and GEMM+RS, each config
 the tuner can return (select.default_kernel for bf16, f16 and f32, every shipped verdict
 with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and without
-warpgroup partitions, as autotuning times it), worlds 2, 4 and 8, a large and a ragged
-shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs);
-the timeline builds (trace=True); the loopback set-up kernel.
+warpgroup partitions), worlds 2, 4 and 8, a large and a ragged shape; every other config a
+first-call measurement may time (`candidate_configs`: the fixed candidates of each group size,
+the shipped cost models' ranked configs at the group sizes they were fit on), at its group
+size, the large shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the
+benchmarks' configs); the timeline builds (trace=True); the loopback set-up kernel.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -52,7 +54,7 @@ def tuner_configs(op: str) -> list:
   from jax_autooverlap.tuning.config import KernelConfig
   out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16,
                                                                 np.float32)}
-  for key, entry in store.verdicts().items():
+  for key, entry in store.shipped_entries().items():  # stale or not: re-measured, they may return
     if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
   for dtype, cfg in list(out):
@@ -61,6 +63,33 @@ def tuner_configs(op: str) -> list:
         out.add((dtype, dataclasses.replace(cfg, engine=engine)))
         if op == "rs" and engine == "gluon":
           out.add((dtype, dataclasses.replace(cfg, engine=engine, wg_partitions=True)))
+  return sorted(out, key=str)
+
+
+def candidate_configs() -> list:
+  """(op, dtype name, KernelConfig, world) of every config a first-call measurement may time
+  that tuner_configs does not list: select.default_candidates of each group size (sm_90, bf16
+  and f32), and the configs the shipped cost models rank (select.candidate_configs) at the
+  group sizes and dtypes they were fit on."""
+  import json
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_autooverlap.tuning import model as cost_model
+  from jax_autooverlap.tuning import select, store
+  out = set()
+  for op in ("ag", "rs"):
+    for world in WORLDS:
+      for dtype in (jnp.bfloat16, np.float32):
+        out |= {(op, np.dtype(dtype).name, c, world)
+                for c in select.default_candidates(op, world, dtype, select.GLUON_CAPABILITY)}
+    for path in sorted(store.DATA.glob("model_*.json")):
+      params = json.loads(path.read_text())
+      for group in params.get("groups", {}):
+        world, dtype = int(group.split("|")[0][1:]), group.split("|")[1]
+        model = cost_model.from_params(params, world, dtype)
+        out |= {(op, dtype, c, world) for c in select.candidate_configs(op, model, dtype)}
+    listed = set(tuner_configs(op))
+    out = {c for c in out if c[0] != op or (c[1], c[2]) not in listed}
   return sorted(out, key=str)
 
 
@@ -99,6 +128,10 @@ def cases():
                      *fused(op, dtype, cfg, world, shape, return_gathered=gathered))
           else:
             yield base, *fused(op, dtype, cfg, world, shape)
+
+  for op, dtype, cfg, world in candidate_configs():
+    name = f"{op}-{dtype}-{_cfg_name(cfg)}-world{world}-large-candidate"
+    yield name, *fused(op, dtype, cfg, world, SHAPES[op]["large"])
 
   bf16 = jnp.dtype(jnp.bfloat16)
   for dtype in (jnp.bfloat16, jnp.float16):

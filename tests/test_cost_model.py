@@ -1,7 +1,8 @@
 """The cost model: its fit (on records this test owns: a known model's and a trimmed copy of 15
 shapes measured on 2xH200, leave-one-shape-out), the shipped parameters, the model's pieces, the
-planner's order, its choices on a Llama-3-70B TP=2 layer, first-call autotuning and
-`bench calibrate --smoke` (no GPU needed)."""
+planner's order, its choices on a Llama-3-70B TP=2 layer, its derivation for other group sizes
+and Hopper parts, and `bench calibrate --smoke` (no GPU needed); first-call measurement is
+tests/test_first_call.py's."""
 
 import dataclasses
 import itertools
@@ -18,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
 from conftest import cpu_mesh
-from jax_autooverlap.tuning import autotune, fit, select, store
+from jax_autooverlap.tuning import fit, select, store
 from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning.config import KernelConfig
 
@@ -170,7 +171,7 @@ def test_fused_predictions_follow_the_mechanisms():
 
 # --- the planner's order ---------------------------------------------------------
 
-def test_order_explicit_then_measured_then_model_then_unfused(monkeypatch):
+def test_order_explicit_then_measured_then_first_call_then_model_then_unfused(monkeypatch):
   key = select.cache_key("ag", H200, 2, 8192, 8192, 8192, BF16)
   monkeypatch.setattr(store, "verdicts", lambda: {key: {
       "impl": "unfused", "note": "fused kernel not faster", "ours_ms": 1.1, "unfused_ms": 1.0}})
@@ -179,19 +180,102 @@ def test_order_explicit_then_measured_then_model_then_unfused(monkeypatch):
   assert v.source == "explicit" and v.kernel.chunks == 2
   v = select.choose_ag(ao.OverlapConfig(), *args)  # the measured verdict beats the model's
   assert v.source == "measured" and v.kernel is None and "1.100 fused vs unfused 1.000" in v.reason
-  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 5120, BF16, BF16)  # not measured
-  assert v.source == "model" and v.kernel is not None and v.predicted[0] < v.predicted[1]
-  assert re.search(r"model: fused [\d.]+ ms vs unfused [\d.]+ ms predicted, chunks=\d+ movers=\d+",
-                   v.reason) and "params fit on" in v.reason
-  assert len(v.candidates) == select.AUTOTUNE_CANDIDATES and v.candidates[0] == v.kernel
+  # not measured: the first call measures; the fit model ranks the candidates and predicts
+  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 5120, BF16, BF16)
+  off = select.choose_ag(ao.OverlapConfig(autotune=False), H200, 2, 4096, 8192, 5120, BF16, BF16)
+  assert v.source == "first_call" and v.kernel is None and v.reason.code == "first_call"
+  assert v.candidates[:select.AUTOTUNE_CANDIDATES] == off.candidates  # the model's fastest first
+  assert v.predicted[0] < v.predicted[1] and "model: fused" in v.reason
+  # autotune off (per call, or everywhere through the environment): the fit model's choice
+  monkeypatch.setenv("JAX_AUTOOVERLAP_AUTOTUNE", "0")
+  env_off = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 5120, BF16, BF16)
+  for v in (off, env_off):
+    assert v.source == "model" and v.kernel is not None and v.predicted[0] < v.predicted[1]
+    assert re.search(r"model: fused [\d.]+ ms vs unfused [\d.]+ ms predicted, chunks=\d+ "
+                     r"movers=\d+", v.reason) and "params fit on" in v.reason
+    assert len(v.candidates) == select.AUTOTUNE_CANDIDATES and v.candidates[0] == v.kernel
+  # no model fit on this kind, group size and dtype: never the model's word without measurement
   for kind, world, dtype in ((H200, 4, BF16), ("NVIDIA B200", 2, BF16), (H200, 2, jnp.float32)):
     v = select.choose_ag(ao.OverlapConfig(), kind, world, 4096, 8192, 5120, dtype, dtype)
     assert v.kernel is None and "never measured" in v.reason and "bench calibrate" in v.reason
+    assert ("derived" in v.reason) == (world == 4)  # H200 x4: a model derived from x2 predicts
+  monkeypatch.delenv("JAX_AUTOOVERLAP_AUTOTUNE")
+  for kind, world, dtype in ((H200, 4, BF16), ("NVIDIA B200", 2, BF16), (H200, 2, jnp.float32)):
+    v = select.choose_ag(ao.OverlapConfig(), kind, world, 4096, 8192, 5120, dtype, dtype)
+    assert v.source == "first_call" and v.candidates and v.kernel is None
 
 
 def test_model_keeps_unfused_where_it_predicts_a_loss():
-  v = select.choose_rs(ao.OverlapConfig(), H200, 2, 512, 2048, 1024, BF16, BF16)
+  v = select.choose_rs(ao.OverlapConfig(autotune=False), H200, 2, 512, 2048, 1024, BF16, BF16)
   assert v.kernel is None and v.source == "model" and v.predicted[0] >= v.predicted[1]
+  # with first-call measurement the prediction does not spare the measurement
+  v = select.choose_rs(ao.OverlapConfig(), H200, 2, 512, 2048, 1024, BF16, BF16)
+  assert v.source == "first_call" and v.predicted[0] >= v.predicted[1] and v.candidates
+
+
+# --- derived models: other group sizes and other Hopper parts -------------------------
+
+def test_other_group_sizes_are_derived_from_the_fit_one():
+  fit2 = _shipped_model(2)
+  assert not fit2.extrapolated and fit2.derived == ()
+  for w in (4, 8):
+    m = _shipped_model(w)
+    assert m.extrapolated and f"group of {w} from the fit on 2 GPUs" in m.derived[0]
+    assert m.world == w and "derived for" in m.source
+    # NVSwitch: a GPU's link bandwidth whatever its peers; the collective curves per byte
+    # received, one ring step more per extra peer
+    assert m.group.link_gbps == fit2.group.link_gbps
+    for b in (1 << 20, 64 << 20, 1 << 30):
+      assert m.group.ag_collective(b) == pytest.approx(
+          fit2.group.ag_collective(b) + (w - 2) * cost_model.HOP_US / 1e3)
+  # the same global AG+GEMM: each GPU receives (w-1)/w of the gathered operand, computes 1/w of
+  # the GEMM: the unfused collective grows with the group, the GEMM shrinks
+  M, K, N = 16384, 8192, 8192
+  comm = [_shipped_model(w).group.ag_collective((w - 1) * (M // w) * K * 2) for w in (2, 4, 8)]
+  gemm = [_shipped_model(w).gemm.ms(M, N // w, K) for w in (2, 4, 8)]
+  assert comm == sorted(comm) and gemm == sorted(gemm, reverse=True)
+  # and the fused kernel pushes (w-1) shards through the same link
+  cfg = KernelConfig(chunks=2, num_comm=16)
+  push = lambda w: _shipped_model(w).fused_ms("ag", M // w, K, 256, cfg)  # push-bound: N small
+  assert push(2) < push(4) < push(8)
+
+
+def test_other_hopper_parts_are_derived_from_h200_by_device_properties():
+  cost_model.clear_cache()
+  h200 = cost_model.load(H200, 2, BF16)
+  h100 = cost_model.load("NVIDIA H100 80GB HBM3", 2, BF16)
+  h800 = cost_model.load("NVIDIA H800", 8, BF16)
+  assert not h200.extrapolated and h100.extrapolated
+  assert "NVIDIA H100 80GB HBM3 from NVIDIA H200's calibration scaled by table properties" in \
+      h100.derived[0] and "3350 GB/s memory" in h100.derived[0]
+  # the same SMs and clocks: the (compute-bound) calibrated GEMMs run as on H200
+  assert h100.gemm.tflops(8192, 8192, 8192) == pytest.approx(h200.gemm.tflops(8192, 8192, 8192))
+  assert h100.group.link_gbps == h200.group.link_gbps
+  # H800: NVLink 200 GB/s per direction instead of 450: every transfer 2.25x slower
+  assert len(h800.derived) == 2 and "group of 8" in h800.derived[1]
+  h200_8 = cost_model.load(H200, 8, BF16)
+  assert h800.group.link_gbps == pytest.approx(h200_8.group.link_gbps * 200 / 450)
+  b = 256 << 20
+  assert h800.group.rs_collective(b) == pytest.approx(h200_8.group.rs_collective(b * 450 / 200))
+  # what the device reports wins over the table (NVLink aside, which it does not report here)
+  read = cost_model.DeviceProps(114, 1755, 2000, 0.0, "device")
+  mine = cost_model.load("NVIDIA H100 80GB HBM3", 2, BF16, read)
+  assert mine.num_sms == 114 and "device (NVLink from the table)" in mine.derived[0]
+  assert "450 GB/s NVLink" in mine.derived[0]
+  assert mine.gemm.tflops(8192, 8192, 8192) == pytest.approx(
+      h200.gemm.tflops(8192, 8192, 8192) * 114 * 1755 / (132 * 1980))
+  # not Hopper, or a part without NVSwitch in the table: no model (measurement decides)
+  assert cost_model.load("NVIDIA A100-SXM4-80GB", 2, BF16) is None
+  assert cost_model.load("NVIDIA H100 PCIe", 2, BF16, read) is None
+
+
+def test_memory_bound_gemm_points_scale_with_memory_bandwidth():
+  base = cost_model.HOPPER[H200]
+  slow_memory = dataclasses.replace(base, memory_gbps=base.memory_gbps / 2)
+  params = {"device_kind": H200, "num_sms": 132, "groups": {}, "gemm": {"bfloat16": {
+      "points": [[64, 64, 8192, 10.0], [8192, 8192, 8192, 700.0]], "tiles": {}}}}
+  got = cost_model.other_hopper(params, "X", slow_memory, base)["gemm"]["bfloat16"]["points"]
+  assert got == [[64, 64, 8192, 5.0], [8192, 8192, 8192, 700.0]]  # skinny: memory-bound
 
 
 # --- explain on a Llama-3-70B-shaped TP=2 layer, planned as on 2xH200 -----------
@@ -242,9 +326,10 @@ def _stand_in_kernels(monkeypatch):
 def test_explain_llama70b_tp2_layer_shows_the_models_kernels(fake_gpu_kind, monkeypatch):
   _stand_in_kernels(monkeypatch)
   mesh = cpu_mesh((2,), ("tp",))
+  off = ao.OverlapConfig(autotune=False)
   for tokens in (4096, 8192, 16384):
     f, args = _llama70b_layer(mesh, tokens)
-    report = ao.explain(f, *args)
+    report = ao.explain(f, *args, overlap_config=off)
     assert sorted(m.kind for m in report.matches) == ["ag_matmul"] * 2 + ["matmul_rs"] * 2, \
         str(report)
     kernels = 0
@@ -258,98 +343,11 @@ def test_explain_llama70b_tp2_layer_shows_the_models_kernels(fake_gpu_kind, monk
       kernels += predicted_win
     # the shipped model picks kernels on this layer at every size (which ones: its predictions)
     assert kernels >= 1, str(report)
-
-
-# --- first-call autotuning -----------------------------------------------------------
-
-def _fake_timer(monkeypatch, times):
-  """planning._time_program replaced: ms per config from `times` (None: the unfused program)."""
-  from jax_autooverlap.ops import planning
-  calls = []
-
-  def time_program(op, mesh, axis_name, sizes, dtype, out_dtype, kernel):
-    calls.append(kernel)
-    return times(kernel)
-
-  monkeypatch.setattr(planning, "_time_program", time_program)
-  return calls
-
-
-def test_autotune_times_the_candidates_and_records_the_fastest(fake_gpu_kind, monkeypatch,
-                                                               tmp_path):
-  from jax_autooverlap.ops.planning import plan
-  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
-  recorded = {}  # no verdicts yet; autotuning adds to it
-  monkeypatch.setattr(store, "verdicts", lambda: recorded)
-  mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
-  model_pick = select.choose_ag(ao.OverlapConfig(), "cpu", 2, 2048, 8192, 5120, BF16, BF16)
-  second = model_pick.candidates[1]
-  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.5 if k == second else 0.8)
-  cfg = ao.OverlapConfig(autotune=True)
-  _, _, why = plan("ag_rows", cfg, 2, sizes, BF16, BF16, mesh)  # ao.explain: no timing
-  assert calls == [] and "autotuned on the first call" in why
-  impl, gpu, why = plan("ag_rows", cfg, 2, sizes, BF16, BF16, mesh, axis_name="x", may_time=True)
-  assert calls == [None, *model_pick.candidates]
-  assert impl == "triton" and gpu.kernel == second and "autotuned: fused kernel faster" in why
-  cache = json.loads((tmp_path / "tuning-ag.json").read_text())
-  (entry,) = cache.values()
-  assert entry["source"] == "autotune" and entry["ours_ms"] == 0.5 and entry["unfused_ms"] == 1.0
-  assert KernelConfig(**entry["kernel"]) == second
-  impl, gpu, why = plan("ag_rows", cfg, 2, sizes, BF16, BF16, mesh, axis_name="x", may_time=True)
-  assert len(calls) == 4 and gpu.kernel == second and "autotuned" in why  # timed once only
-  # a shape where the unfused program wins is recorded as such
-  calls = _fake_timer(monkeypatch, lambda k: 0.2 if k is None else 0.3)
-  monkeypatch.setenv(autotune.ENV, "1")  # the environment variable turns it on too
-  impl, _, why = plan("rs_rows", ao.OverlapConfig(), 2, (1, 8192, 4096, 8192), BF16, BF16, mesh,
-                      axis_name="x", may_time=True)
-  assert impl == "unfused" and "autotuned: unfused faster" in why and len(calls) == 4
-
-
-def test_autotune_in_several_processes_takes_rank0s_verdict(fake_gpu_kind, monkeypatch, tmp_path):
-  from jax_autooverlap.ops.planning import plan
-  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
-  recorded = {}
-  monkeypatch.setattr(store, "verdicts", lambda: recorded)
-  monkeypatch.setattr(autotune, "_process_count", lambda: 2)
-  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.5)
-  mesh, cfg = cpu_mesh((2,), ("x",)), ao.OverlapConfig(autotune=True)
-  sizes = (1, 2048, 8192, 5120)
-  impl, _, why = plan("ag_rows", cfg, 2, sizes, BF16, BF16, mesh, axis_name="x", may_time=True)
-  assert calls == [] and "rendezvous" in why and impl == "triton" and "model: fused" in why
-  rank0 = {"impl": "unfused", "note": "fused kernel not faster", "ours_ms": 2.0,
-           "unfused_ms": 1.0, "source": "autotune"}
-  sent = []
-  autotune.set_rank0_broadcast(lambda key, payload: (sent.append((key, payload)),
-                                                     json.dumps(rank0).encode())[1])
-  try:
-    impl, _, why = plan("ag_rows", cfg, 2, sizes, BF16, BF16, mesh, axis_name="x", may_time=True)
-  finally:
-    autotune.set_rank0_broadcast(None)
-  assert len(calls) == 4 and impl == "unfused" and "autotuned: unfused faster" in why
-  assert json.loads(sent[0][1])["impl"] == "triton"  # ours said fused; rank 0's word wins
-
-
-def test_autotune_times_real_programs_from_inside_a_jit_trace(fake_gpu_kind, monkeypatch,
-                                                              tmp_path):
-  """The whole path on CPU devices: ao.jit traces, the planner times separate programs in a
-  worker thread (the unfused program, and the 'kernel', here the unfused math), records."""
-  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
-  recorded = {}
-  monkeypatch.setattr(store, "verdicts", lambda: recorded)
-  monkeypatch.setattr(select, "AUTOTUNE_CANDIDATES", 2)
-  monkeypatch.setattr(autotune, "ITERS", 2)
-  monkeypatch.setattr(autotune, "BATCHES", 1)
-  kernel_calls = _stand_in_kernels(monkeypatch)
-  mesh = cpu_mesh((2,), ("x",))
-  f = jax.shard_map(lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w, mesh=mesh,
-                    in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
-  x = jax.device_put(jnp.ones((256, 128), BF16), NamedSharding(mesh, P("x")))
-  w = jax.device_put(jnp.ones((128, 256), BF16), NamedSharding(mesh, P(None, "x")))
-  out = ao.jit(f, overlap_config=ao.OverlapConfig(autotune=True))(x, w)
-  np.testing.assert_allclose(np.asarray(out, np.float32), 128.0)
-  (entry,) = json.loads((tmp_path / "tuning-ag.json").read_text()).values()
-  assert entry["source"] == "autotune" and entry["unfused_ms"] > 0 and entry["ours_ms"] > 0
-  assert len({k for _, k in kernel_calls}) >= 2  # both candidates were compiled and timed
+    # by default every row is measured on its first call; explain says so, with the prediction
+    report = ao.explain(f, *args)
+    assert [m.status for m in report] == ["pending"] * 4 and report.pending == report.matches
+    assert all(m.code == "first_call" and "model: fused" in m.impl for m in report), str(report)
+    assert "4 pending (measured on the first call)" in str(report)
 
 
 # --- calibration, smoke mode -------------------------------------------------------
@@ -390,65 +388,6 @@ def test_gemm_check_shapes_are_not_calibration_points():
   assert len(fresh) >= 10, fresh
   assert {s[0].split()[0] for s in fresh} == {"llama3-8b", "llama3-70b", "mixtral-8x22b-mlp",
                                               "qwen2-72b"}
-
-
-def test_autotune_on_sm90_also_times_the_gluon_engine_and_keeps_the_fastest(
-    fake_gpu_kind, monkeypatch, tmp_path):
-  """On compute capability 9.0 with 16-bit operands the tuner times the model's best config on
-  the Gluon engine too (AG: each of GLUON_MOVERS), and records whichever engine was fastest."""
-  from jax_autooverlap.ops import planning
-  from jax_autooverlap.ops.planning import plan
-  monkeypatch.setenv("JAX_AUTOOVERLAP_CACHE_DIR", str(tmp_path))
-  recorded = {}
-  monkeypatch.setattr(store, "verdicts", lambda: recorded)
-  monkeypatch.setattr(planning, "_compute_capability", lambda mesh: "9.0")
-  mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
-  model_pick = select.choose_ag(ao.OverlapConfig(), "cpu", 2, 2048, 8192, 5120, BF16, BF16)
-  gluon_64 = dataclasses.replace(model_pick.kernel, engine="gluon", num_comm=64)
-  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.6 if k == gluon_64 else 0.8)
-  impl, gpu, why = plan("ag_rows", ao.OverlapConfig(autotune=True), 2, sizes, BF16, BF16, mesh,
-                        axis_name="x", may_time=True)
-  gluon = [k for k in calls if k is not None and k.engine == "gluon"]
-  assert [k.num_comm for k in gluon] == list(select.GLUON_MOVERS)
-  assert all(dataclasses.replace(k, engine="tl", num_comm=model_pick.kernel.num_comm)
-             == model_pick.kernel for k in gluon)  # the model's best config, on the other engine
-  assert calls[:1 + len(model_pick.candidates)] == [None, *model_pick.candidates]
-  assert impl == "triton" and gpu.kernel == gluon_64 and why.endswith("; gluon engine)")
-  (entry,) = json.loads((tmp_path / "tuning-ag.json").read_text()).values()
-  assert KernelConfig(**entry["kernel"]) == gluon_64
-  # GEMM+RS: two Gluon candidates (with and without warpgroup partitions); where they are slower
-  # the tl config stays
-  rs_sizes = (1, 8192, 4096, 8192)
-  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.9 if k.engine == "gluon" else 0.7)
-  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, rs_sizes, BF16,
-                        BF16, mesh, axis_name="x", may_time=True)
-  assert [k.wg_partitions for k in calls if k is not None and k.engine == "gluon"] == [False, True]
-  assert impl == "triton" and gpu.kernel.engine == "tl" and why.endswith("; tl engine)")
-  # ... and where the partitioned kernel is fastest, it is recorded and explain names it
-  recorded.clear()
-  calls = _fake_timer(monkeypatch, lambda k: 1.0 if k is None else 0.6 if k.wg_partitions else 0.7)
-  impl, gpu, why = plan("rs_rows", ao.OverlapConfig(autotune=True), 2, rs_sizes, BF16,
-                        BF16, mesh, axis_name="x", may_time=True)
-  assert impl == "triton" and gpu.kernel.engine == "gluon" and gpu.kernel.wg_partitions
-  assert why.endswith("; gluon engine, a consumer partition per warpgroup)"), why
-  (entry,) = json.loads((tmp_path / "tuning-rs.json").read_text()).values()
-  assert KernelConfig(**entry["kernel"]) == gpu.kernel
-
-
-def test_gluon_autotune_candidates_only_where_the_engine_runs():
-  ranked = (KernelConfig(chunks=4, num_comm=16), KernelConfig(chunks=8, num_comm=16))
-  sizes = (2048, 8192, 4096)
-  got = select.with_engines("ag", ranked, "9.0", sizes, BF16, BF16)
-  assert got[:2] == ranked and [(k.engine, k.num_comm, k.chunks) for k in got[2:]] == [
-      ("gluon", 32, 4), ("gluon", 64, 4)]
-  got = select.with_engines("rs", ranked, "9.0", sizes, BF16, BF16)  # with and without
-  assert got[:2] == ranked and [(k.engine, k.wg_partitions, k.num_comm, k.chunks)  # partitions
-                                for k in got[2:]] == [("gluon", False, 16, 4), ("gluon", True, 16, 4)]
-  assert select.with_engines("ag", ranked, "8.0", sizes, BF16, BF16) == ranked  # not sm_90
-  assert select.with_engines("ag", ranked, None, sizes, BF16, BF16) == ranked  # not a GPU
-  assert select.with_engines("ag", ranked, "9.0", sizes, np.float32, np.float32) == ranked
-  tl_only = (KernelConfig(block_m=64, num_warps=4),)  # tiles the Gluon engine does not take
-  assert select.with_engines("ag", tl_only, "9.0", sizes, BF16, BF16) == tl_only
 
 
 def test_fit_reads_only_tl_kernel_records(tmp_path):

@@ -120,7 +120,7 @@ def test_kernel_among_many_ops_runs_repeatedly():
   want = unfused(x, w)
   for _ in range(3):  # graphs are instantiated on a program's second run
     assert_close(fused(x, w), want, jnp.bfloat16)
-  # Inside an outer jax.jit the outer program is compiled with XLA's own flags: unfused there.
+  # Inside an outer jax.jit, default config: the first call measures the shape, runs the winner.
   auto = ao.jit(jax.shard_map(block, **kw))
   outer = jax.jit(lambda x, w: auto(x, w) + 0)
   for _ in range(3):

@@ -1,7 +1,9 @@
-"""Two processes sharing one GPU run the fused kernels (marked gpu; skipped without a GPU).
+"""Several processes sharing one GPU run the fused kernels (marked gpu; skipped without a GPU).
 
 The work is in tests/gpu_two_process.py (also runnable standalone); this
-runs it and requires every check of its PASS/FAIL table to pass.
+runs it and requires every check of its PASS/FAIL table to pass: every
+scenario with two processes, the training step (impl="triton", then the
+default config's first-call measurement) with four and eight.
 """
 import os
 import subprocess
@@ -15,8 +17,15 @@ pytestmark = pytest.mark.gpu
 if not any(d.platform == "gpu" for d in jax.devices()):
   pytest.skip("needs an NVIDIA GPU", allow_module_level=True)
 
+SCRIPT = os.path.join(os.path.dirname(__file__), "gpu_two_process.py")
 
-def test_two_processes_share_one_gpu():
-  script = os.path.join(os.path.dirname(__file__), "gpu_two_process.py")
-  proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=2000)
-  assert proc.returncode == 0 and "ALL PASS" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+@pytest.mark.parametrize("world, scenarios", [(2, None), (4, ("nested_step", "first_call")),
+                                              (8, ("nested_step", "first_call"))])
+def test_processes_share_one_gpu(world, scenarios):
+  for scenario in scenarios or (None,):
+    argv = [sys.executable, SCRIPT, "--world", str(world)]
+    argv += ["--scenario", scenario] if scenario else []
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ALL PASS"), \
+        proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -107,13 +107,14 @@ def test_training_step_two_layer_mlp():
   for _ in range(3):  # CUDA graphs of the other ops are instantiated on the second run
     for g, r in zip(jax.tree.leaves(step(x, w1, w2)), jax.tree.leaves(want)):
       assert_close(g, r, jnp.bfloat16)
-  # Under the user's own jax.jit XLA may graph the kernel: forcing it is an error, auto is unfused.
-  with pytest.raises(ValueError, match="CUDA graph"):
-    jax.jit(grad(fused)).lower(x, w1, w2)
-  auto = jax.jit(grad(ao.jit(block)))
-  assert "triton_kernel_call" not in auto.lower(x, w1, w2).as_text()
-  for g, r in zip(jax.tree.leaves(auto(x, w1, w2)), jax.tree.leaves(want)):
-    assert_close(g, r, jnp.bfloat16)
+  # Under the user's own jax.jit the kernels run too (forced); with the default config the first
+  # call measures each shape and runs what it chose: the same results either way.
+  assert "triton_kernel_call" in jax.jit(grad(fused)).lower(x, w1, w2).as_text()
+  auto = ao.jit(block)
+  for f in (jax.jit(grad(fused)), jax.jit(grad(auto))):
+    for g, r in zip(jax.tree.leaves(f(x, w1, w2)), jax.tree.leaves(want)):
+      assert_close(g, r, jnp.bfloat16)
+  assert not ao.explain(jax.jit(grad(auto)), x, w1, w2).pending  # measured on that first call
 
 
 def test_scan_with_default_flags_runs_the_kernel_in_the_body():

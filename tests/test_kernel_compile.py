@@ -1,7 +1,8 @@
 """Compile-only checks of the GPU kernels on any machine (no GPU needed).
 
 Every kernel configuration the tuner can pick, with each engine ("tl" and,
-for 16-bit dtypes, the warp-specialised "gluon"), is lowered through
+for 16-bit dtypes, the warp-specialised "gluon"), and every configuration a
+first-call measurement may time, at its group size, is lowered through
 jax-triton for sm_90a via jax.export; its PTX must hold the fast paths: wgmma
 tensor-core instructions, TMA bulk tensor copies, and the system-scope
 acquire/release operations of the cross-GPU protocol; the Gluon kernels also
@@ -27,7 +28,7 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
-from ptx_dump import tuner_configs  # noqa: E402
+from ptx_dump import candidate_configs, tuner_configs  # noqa: E402
 
 
 def _tuner_configs(op):
@@ -82,12 +83,7 @@ def assert_scratch_is_the_operand(ptx):
   assert f"[{params[-3]}]" in ptx, "the scratch operand is never read"
 
 
-@pytest.mark.parametrize("dtype_cfg", _tuner_configs("ag"), ids=_ID)
-@pytest.mark.parametrize("shape", [(2048, 8192, 4096), (300, 1024, 640)], ids=["large", "ragged"])
-def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
-  dtype, cfg = dtype_cfg
-  m, k, n = shape
-  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2, return_gathered=(m == 300))
+def _check_ag(ptx, cfg):
   assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx, "consumer lost its system-scope acquire"
@@ -102,13 +98,7 @@ def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   _check_engine(ptx, cfg)
 
 
-@pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
-@pytest.mark.parametrize("shape", [(4096, 4096, 8192), (600, 1024, 640)], ids=["large", "ragged"])
-def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
-  dtype, cfg = dtype_cfg
-  m, k, n = shape
-  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
-             return_gathered=False, op="rs")
+def _check_rs(ptx, cfg):
   assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx, "owner lost its system-scope acquire"
@@ -120,6 +110,37 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   if cfg.engine == "gluon":  # pushes are TMA stores: written (not only read) before the release
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes are not TMA stores"
     assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"
+
+
+@pytest.mark.parametrize("dtype_cfg", _tuner_configs("ag"), ids=_ID)
+@pytest.mark.parametrize("shape", [(2048, 8192, 4096), (300, 1024, 640)], ids=["large", "ragged"])
+def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
+  dtype, cfg = dtype_cfg
+  m, k, n = shape
+  _check_ag(_ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
+                 return_gathered=(m == 300)), cfg)
+
+
+@pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
+@pytest.mark.parametrize("shape", [(4096, 4096, 8192), (600, 1024, 640)], ids=["large", "ragged"])
+def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shape):
+  dtype, cfg = dtype_cfg
+  m, k, n = shape
+  _check_rs(_ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
+                 return_gathered=False, op="rs"), cfg)
+
+
+@pytest.mark.parametrize("case", candidate_configs(),
+                         ids=lambda c: f"{c[0]}-w{c[3]}-{_ID((c[1], c[2]))}")
+def test_first_call_candidates_compile_at_their_group_size(monkeypatch, tmp_path, case):
+  """Every config a first-call measurement may time (tests/ptx_dump.py's candidate_configs:
+  the fixed candidates of groups of 2, 4 and 8, the shipped models' ranked configs), compiled
+  for its group size with the fast paths."""
+  op, dtype, cfg, world = case
+  m, k, n = (2048, 8192, 4096) if op == "ag" else (4096, 4096, 8192)
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=world,
+             return_gathered=False, op=op)
+  (_check_ag if op == "ag" else _check_rs)(ptx, cfg)
 
 
 @pytest.mark.parametrize("engine", ["tl", "gluon"])

@@ -5,6 +5,7 @@ jax.distributed on 127.0.0.1 (CPU devices); the CUDA driver is replaced by a
 stand-in (tests/fake_cuda.py) whose allocations are memfd files, so the
 descriptors really travel between the processes.
 """
+import dataclasses
 import json
 import os
 import socket
@@ -151,7 +152,8 @@ def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch)
   drv = FakeDriver(memory=8 << 20)
   monkeypatch.setattr(workspace, "REGISTRY", workspace.WorkspaceRegistry(driver=drv))
   monkeypatch.setattr(context, "platform", lambda mesh: "gpu")
-  monkeypatch.setattr(select, "choose_ag", lambda *a: select.Verdict(KernelConfig(), "measured"))
+  monkeypatch.setattr(select, "choose_ag",
+                      lambda *a, **k: select.Verdict(KernelConfig(), "measured"))
   mesh, bf16 = _cpu_mesh((2,), ("tp",)), jnp.bfloat16
   plan = lambda rows, cfg=ao.OverlapConfig(): planning.plan(
       "ag_rows", cfg, 2, (1, rows, 1024, 512), bf16, bf16, mesh, axis_name="tp")
@@ -253,8 +255,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_processes(scenario: str, n: int = 2, timeout: float = 150, env_extra=None) -> list[dict]:
-  """Start n worker processes of one jax.distributed run; their RESULT lines, by process."""
+def _run_processes(scenario: str, n: int = 2, timeout: float = 150, env_extra=None,
+                   dies: int | None = None) -> list[dict]:
+  """Start n worker processes of one jax.distributed run; their RESULT lines, by process
+  (None for process `dies`, which must exit with status 3)."""
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["JAX_AUTOOVERLAP_RENDEZVOUS_TIMEOUT_S"] = "30"
@@ -273,6 +277,10 @@ def _run_processes(scenario: str, n: int = 2, timeout: float = 150, env_extra=No
         p.kill()
   results = []
   for i, (rc, out, err) in enumerate(outs):
+    if i == dies:
+      assert rc == 3, f"process {i} was to die (rc {rc}):\n{out[-2000:]}\n{err[-3000:]}"
+      results.append(None)
+      continue
     lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
     assert rc == 0 and lines, f"process {i} (rc {rc}):\n{out[-2000:]}\n{err[-3000:]}"
     results.append(json.loads(lines[-1][len("RESULT "):]))
@@ -289,6 +297,53 @@ def test_gpu_two_process_nested_step_scenario_on_cpu_processes():
     assert set(failed) == {"nested: every row fused"}, failed
     assert "reference" in failed["nested: every row fused"][1]
     assert len(p["checks"]) == 5
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_first_call_verdict_agreed_by_every_process(tmp_path, n):
+  """Each process times the same programs, and they disagree: process 0 alone would choose
+  candidate 0 (0.8 ms here, 1.3 ms in the others), the others candidate 1 (0.9 ms everywhere).
+  The group's time is the slowest process's: every process takes candidate 1 and writes the
+  same entry in its own cache."""
+  from jax_autooverlap.tuning import select
+  results = _run_processes("agree", n, env_extra={"AO_TEST_CACHE_DIRS": str(tmp_path)})
+  want = dataclasses.asdict(select.default_candidates("ag", n, "bfloat16")[1])
+  for p in results:
+    assert p["impl"] == "triton" and p["code"] == "kernel" and p["kernel"] == want, p["why"]
+    assert "fused kernel 10.0 % faster (margin 1.0 %); 0.900 ms vs unfused 1.000 ms" in p["why"]
+    assert p["cache"] == results[0]["cache"] and len(p["cache"]) == 1
+    (entry,) = p["cache"].values()
+    assert entry["processes"] == n and entry["source"] == "first_call"
+
+
+def test_first_call_when_a_process_dies_every_other_falls_back_alike(tmp_path):
+  """Process 2 of 4 dies while compiling a candidate: the others stop waiting after the
+  rendezvous timeout (3 s here), keep the unfused program with one reason, record nothing."""
+  results = _run_processes("agree_dies", 4, dies=2, env_extra={
+      "AO_TEST_CACHE_DIRS": str(tmp_path), "JAX_AUTOOVERLAP_RENDEZVOUS_TIMEOUT_S": "3"})
+  survivors = [p for p in results if p is not None]
+  assert len(survivors) == 3
+  for p in survivors:
+    assert p["impl"] == "unfused" and p["code"] == "measure_failed" and p["cache"] is None
+    assert p["why"] == survivors[0]["why"] and "waiting for process(es) [2]" in p["why"]
+    assert p["elapsed_s"] < 20  # bounded waits: no hang
+
+
+def test_gpu_harness_first_call_scenario_on_cpu_processes(tmp_path):
+  """tests/gpu_two_process.py's first_call scenario on two CPU processes (the kernels' unfused
+  math stands in for them): the default config measures each shape on the first call, both
+  processes take the same verdicts, the shared cache holds them, the step equals the
+  unsharded one; new processes on the same cache measure nothing."""
+  env = {"JAX_AUTOOVERLAP_CACHE_DIR": str(tmp_path)}
+  first = _run_processes("first_call_step", timeout=300, env_extra=env)
+  again = _run_processes("first_call_step_again", timeout=300, env_extra=env)
+  for run in (first, again):
+    for p in run:
+      assert all(ok for ok, _ in p["checks"].values()), p["checks"]
+      assert len(p["checks"]) == 7
+      assert p["verdicts"] == first[0]["verdicts"] and p["verdicts"]
+  assert [p["info"]["measured"] for p in first] == [len(first[0]["verdicts"])] * 2
+  assert [p["info"]["measured"] for p in again] == [0, 0]
 
 
 def test_rendezvous_agreement_and_timeout_across_processes():

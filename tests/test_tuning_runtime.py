@@ -14,10 +14,16 @@ from fake_cuda import fake_gpu_mesh
 H200 = "NVIDIA H200"
 
 
-def test_measured_cache_drives_the_choice():
-  cache = store.verdicts()
-  assert cache, "no measured tuning data shipped"
-  for key, entry in cache.items():
+def test_measured_cache_drives_the_choice(monkeypatch):
+  shipped = store.shipped_entries()
+  assert shipped, "no measured tuning data shipped"
+  # measured before kernel hashes were recorded: they do not count for these kernels ...
+  assert all(store.staleness(e).startswith("measured with an earlier kernel source")
+             for e in shipped.values())
+  assert not set(shipped) & set(store.verdicts())
+  # ... while the same entries measured with these kernels drive the choice
+  monkeypatch.setattr(store, "verdicts", lambda: {k: store.stamped(e) for k, e in shipped.items()})
+  for key, entry in shipped.items():
     op, kind, world, shape, dtype = key.split("|")
     m, k, n = map(int, shape.split("x"))
     w = int(world[1:])
@@ -33,8 +39,11 @@ def test_measured_cache_drives_the_choice():
 
 
 def test_small_shapes_fall_back_and_unsupported_shapes_say_why():
-  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
+  v = select.choose_ag(ao.OverlapConfig(autotune=False), H200, 2, 128, 1024, 512, jnp.bfloat16,
+                       jnp.bfloat16)
   assert v.kernel is None and v.source == "model" and v.reason.code == "tuner_unfused"
+  v = select.choose_ag(ao.OverlapConfig(), H200, 2, 128, 1024, 512, jnp.bfloat16, jnp.bfloat16)
+  assert v.kernel is None and v.source == "first_call" and v.predicted[0] >= v.predicted[1]
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 1000, 4096, jnp.bfloat16, jnp.bfloat16)
   assert v.kernel is None and v.reason.code == "unsupported_shape" and "K=1000" in v.reason
   v = select.choose_ag(ao.OverlapConfig(), H200, 2, 4096, 8192, 4096, jnp.int8, jnp.int32)
@@ -106,7 +115,10 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
   impl, _, why = plan("rs_rows", cfg, 2, (1, 8192, 2048, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and why.code == "tuner_unfused"                     # 8192x4096x4096
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh)
-  assert impl == "triton" and "model: fused" in why                            # between measured
+  assert impl == "unfused" and why.code == "first_call" and "model: fused" in why  # between
+  off = ao.OverlapConfig(autotune=False)                               # measured: to be measured
+  impl, gpu, why = plan("ag_rows", off, 2, (1, 4096, 8192, 4096), bf16, bf16, mesh)
+  assert impl == "triton" and "model: fused" in why  # no measurement: the fit model's choice
   impl, _, why = plan("ag_k", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
   assert impl == "unfused" and why.code == "no_kernel"
   impl, _, why = plan("ag_rows", cfg, 2, (4, 2048, 8192, 4096), bf16, bf16, mesh)
@@ -116,12 +128,16 @@ def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatc
 def test_no_heuristic_pick_where_the_kernel_was_never_measured(monkeypatch):
   monkeypatch.setattr(store, "verdicts", lambda: _SYNTHETIC)
   big = (8192, 8192, 4096, jnp.bfloat16, jnp.bfloat16)
-  v = select.choose_ag(ao.OverlapConfig(), H200, 4, *big)
+  off = ao.OverlapConfig(autotune=False)
+  v = select.choose_ag(off, H200, 4, *big)
   assert v.kernel is None and v.reason.code == "never_measured"
   assert "jax_autooverlap.bench ag" in v.reason
-  v = select.choose_ag(ao.OverlapConfig(), "NVIDIA H100 80GB HBM3", 2, *big)
+  v = select.choose_ag(off, "NVIDIA H100 80GB HBM3", 2, *big)
   assert v.kernel is None and v.reason.code == "never_measured"
-  assert select.choose_ag(ao.OverlapConfig(), H200, 2, *big).kernel is not None
+  assert select.choose_ag(off, H200, 2, *big).kernel is not None
+  for kind, world in ((H200, 4), ("NVIDIA H100 80GB HBM3", 2), (H200, 2)):  # by default: measured
+    v = select.choose_ag(ao.OverlapConfig(), kind, world, *big)
+    assert v.kernel is None and v.reason.code == "first_call" and v.candidates
   v = select.choose_ag(ao.OverlapConfig(impl="triton"), H200, 4, *big)  # asked for: honoured
   assert v.kernel is not None and v.source == "explicit"
 
@@ -137,7 +153,7 @@ def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
   run.parent.mkdir()
   _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 1.5, 4)], "bfloat16", "ag")
   _merge_into_user_cache(run, "ag")
-  store.verdicts.cache_clear()
+  store.clear_cache()
   try:
     assert f"ag|{H200}|w4|8192x8192x8192|bfloat16" in store.verdicts()
     v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
@@ -145,11 +161,11 @@ def test_user_cache_dir_verdicts_override_shipped_ones(monkeypatch, tmp_path):
     # a later run where the kernel lost replaces the verdict
     _write_tuning_cache(run, [rec("unfused", 2.0, 4), rec("ours", 2.5, 4)], "bfloat16", "ag")
     _merge_into_user_cache(run, "ag")
-    store.verdicts.cache_clear()
+    store.clear_cache()
     v = select.choose_ag(ao.OverlapConfig(), H200, 4, 2048, 8192, 2048, jnp.bfloat16, jnp.bfloat16)
     assert v.kernel is None and "measured: unfused faster" in v.reason
   finally:
-    store.verdicts.cache_clear()
+    store.clear_cache()
 
 
 def test_kernels_planned_whatever_the_command_buffer_flags(monkeypatch):
@@ -217,7 +233,9 @@ def test_backward_dual_is_planned_on_the_forward_mesh():
   a = jnp.zeros((1, 2048, 8192), jnp.bfloat16)  # the dual ag_rows of a 4096x8192x8192 rs
   b = jnp.zeros((1, 8192, 4096), jnp.bfloat16)
   mesh = fake_gpu_mesh()
-  forward = CoreParams(ring=ring, impl="triton", config=ao.OverlapConfig(impl="triton"), mesh=mesh)
+  # (without first-call measurement: the dual takes the model's kernel, fit on 2xH200)
+  config = ao.OverlapConfig(impl="triton", autotune=False)
+  forward = CoreParams(ring=ring, impl="triton", config=config, mesh=mesh)
   dual = dual_params("ag_rows", a, b, forward, jnp.bfloat16)
   assert dual.impl == "triton" and dual.gpu.mesh is mesh
 

@@ -211,8 +211,10 @@ def bench_windowed(m, k, n, dtype_name, iters, op="ag"):
 
 
 def _write_tuning_cache(path, records, dtype, op):
-  """Measured verdicts for tuning/data/: the kernel where it beat the unfused program."""
+  """Measured verdicts for tuning/data/: the kernel where it beat the unfused program (each
+  stamped with the hash of the kernel sources it was measured with)."""
   from jax_autooverlap.tuning.select import cache_key
+  from jax_autooverlap.tuning.store import stamped
   by_shape = {}
   for r in records:
     by_shape.setdefault((r["m"], r["k"], r["n"], r["world_size"], r["gpu"]), {})[r["impl"]] = r
@@ -227,17 +229,15 @@ def _write_tuning_cache(path, records, dtype, op):
       cache[key] = {"impl": "unfused", "note": "fused kernel not faster" if ours else "kernel failed",
                     "ours_ms": ours["median_ms"] if ours else None,
                     "unfused_ms": unfused["median_ms"], "date": unfused["date"]}
+  cache = {key: stamped(entry) for key, entry in cache.items()}
   path.write_text(json.dumps(cache, indent=1, sort_keys=True))
 
 
 def _merge_into_user_cache(new_path, op):
   """Add this run's verdicts to the user's tuning cache, which ao.jit reads (newest wins)."""
-  from jax_autooverlap.tuning.store import user_cache_dir
+  from jax_autooverlap.tuning.store import merge, user_cache_dir
   path = user_cache_dir() / f"tuning-{op}.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
-  cache = json.loads(path.read_text()) if path.exists() else {}
-  cache.update(json.loads(new_path.read_text()))
-  path.write_text(json.dumps(cache, indent=1, sort_keys=True))
+  merge(path, json.loads(new_path.read_text()))
   log(f"tuning verdicts recorded in {path} (ao.jit reads them from the next process on)")
 
 

@@ -4,9 +4,11 @@
 (batch, rows, contraction, columns) per device) between the reference ring,
 the unfused program and the GPU kernel: the core says where its kernel cannot
 run, the tuner (tuning/select.py) picks a kernel config or the unfused
-program, first-call autotuning times the candidates where asked, and the
-workspace must cover the axis' groups.  `describe` answers the same question
-for a match of the rewrite; `dual_params` plans the dual op of a backward pass.
+program, the first call measures the candidates where no verdict exists
+(ops/measure.py; never in ao.explain's trace, whose rows say "first_call"),
+and the workspace must cover the axis' groups.  `describe` answers the same
+question for a match of the rewrite; `dual_params` plans the dual op of a
+backward pass.
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_autooverlap.ops import registry
+from jax_autooverlap.ops import measure, registry
 from jax_autooverlap.ops.dims import DotDims
 from jax_autooverlap.ops.ring import RingParams
 from jax_autooverlap.reasons import Reason, code_of
-from jax_autooverlap.runtime import context, workspace
-from jax_autooverlap.tuning import autotune, select
+from jax_autooverlap.runtime import context, cuda, workspace
+from jax_autooverlap.tuning import model as cost_model
+from jax_autooverlap.tuning import select
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig, resolve_chunks
 
 
@@ -56,8 +59,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   ao.explain, so the report says what actually runs.  Where the tuner picks
   the kernel, the workspace registry must also support the axis' groups
   (collective over the mesh's processes: the same answer in every process).
-  `may_time` (the ops' first call, never ao.explain) lets a cost-model choice
-  be autotuned where the config asks for it.
+  `may_time` (the ops' trace, never ao.explain's) lets a shape without a
+  measured verdict be measured now; otherwise its reason says "first_call".
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, Reason("forced", f"{config.impl} (forced by OverlapConfig)")
@@ -79,20 +82,29 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   if why is None and axis_size == 1 and config.impl != "triton":  # asked for explicitly: runs
     why = Reason("axis_size_1", "axis of size 1: a plain matmul")
   if why is None:
-    device_kind = np.asarray(mesh.devices).flat[0].device_kind
+    first = np.asarray(mesh.devices).flat[0]
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
-    verdict = choose(config, device_kind, axis_size, rows, k, cols, dtype, out_dtype)
-    verdict = _autotuned(op, verdict, config, mesh, axis_name if may_time else None,
-                         (rows, k, cols), dtype, out_dtype)
+    verdict = choose(config, first.device_kind, axis_size, rows, k, cols, dtype, out_dtype,
+                     compute_capability=_compute_capability(mesh), props=_props(first))
     why = verdict.reason
-    if verdict.kernel is not None:
+    if verdict.kernel is not None or verdict.source == "first_call":
       support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
           op, axis_size, rows, k, cols, dtype, out_dtype))
-      if support.ok:
+      if not support.ok:
+        why = Reason("workspace", support.reason)
+      elif verdict.source == "first_call":
+        if not may_time or axis_name is None or context.is_explaining():
+          return "unfused", None, verdict.reason  # ao.explain: what the first call will do
+        verdict = measure.first_call(op, verdict, mesh, axis_name, (rows, k, cols), dtype,
+                                     out_dtype, functools.partial(
+                                         _measured_params, op, mesh, axis_name, out_dtype,
+                                         config.timeout_s))
+        context.measured()
+        why = verdict.reason
+      if support.ok and verdict.kernel is not None:
         spread = f", {support.reason}" if support.processes > 1 else ""
         return "triton", GpuPlan(mesh, verdict.kernel, config.timeout_s), Reason(
             "kernel", f"triton kernel ({verdict.reason}; {_engine(op, verdict.kernel)}){spread}")
-      why = Reason("workspace", support.reason)
   if config.impl == "triton":
     raise ValueError(f"{op}: impl='triton' cannot run here: {why}")
   return "unfused", None, Reason(code_of(why) or "tuner_unfused", f"unfused program on gpu ({why})")
@@ -104,59 +116,36 @@ def _engine(op: str, kernel: KernelConfig) -> str:
   return f"{kernel.engine} engine{wg}"
 
 
-def _autotuned(op, verdict: select.Verdict, config: OverlapConfig, mesh, axis_name, sizes, dtype,
-               out_dtype) -> select.Verdict:
-  """The cost model's choice, timed against its runners-up and the unfused program if asked."""
-  if verdict.source != "model" or not verdict.candidates or not autotune.enabled(config):
-    return verdict
-  if axis_name is None:  # ao.explain: says what the first call will do, times nothing
-    return dataclasses.replace(verdict, reason=Reason(
-        code_of(verdict.reason), f"{verdict.reason}; autotuned on the first call"))
-  why_not = autotune.why_not()
-  if why_not:
-    return dataclasses.replace(verdict, reason=Reason(code_of(verdict.reason),
-                                                      f"{verdict.reason}; {why_not}"))
-  rows, k, cols = sizes
-  shard_rows = rows if op == "ag_rows" else rows // mesh.shape[axis_name]
-  candidates = select.with_engines(op[:2], verdict.candidates, _compute_capability(mesh),
-                                   (shard_rows, k, cols), dtype, out_dtype)
-  time_program = functools.partial(_time_program, op, mesh, axis_name, sizes, dtype, out_dtype)
-  return autotune.tune(op[:2], dataclasses.replace(verdict, candidates=candidates), time_program)
-
-
 def _compute_capability(mesh):
   """The mesh's GPUs' compute capability ("9.0"), None where the devices do not say."""
   return getattr(np.asarray(mesh.devices).flat[0], "compute_capability", None)
 
 
-def _time_program(op, mesh, axis_name, sizes, dtype, out_dtype, kernel: KernelConfig | None,
-                  input_sets: int = 2) -> float:
-  """ms per call of the op alone in shard_map over `mesh` (every device runs it, as the
-  kernels need), on fresh random inputs: the core's unfused program, or its kernel `kernel`
-  (the implementations the op itself runs, on 2-D operands)."""
-  rows, k, cols = sizes
+def _props(device):
+  """The device's properties for a cost model derived for its kind (tuning/model.py): read
+  from the driver where this process drives the device, else the table's."""
+  read = None
+  if device.platform == "gpu" and device.process_index == jax.process_index():
+    read = _read_props(device.local_hardware_id)
+  return cost_model.device_props(device.device_kind, read)
+
+
+@functools.cache
+def _read_props(ordinal: int):
+  try:
+    return cost_model.DeviceProps(**cuda.device_properties(ordinal), nvlink_gbps=0.0,
+                                  source="device")
+  except Exception:  # noqa: BLE001 - no driver to ask: the table's values stand
+    return None
+
+
+def _measured_params(op, mesh, axis_name, out_dtype, timeout_s, kernel):
+  """CoreParams of the op alone on a 2-D call (what the first-call measurement times):
+  the unfused program (kernel None) or the kernel `kernel`."""
   n = mesh.shape[axis_name]
-  core = registry.core(op)
-  name = "unfused" if kernel is None else "triton"
-  cp = CoreParams(ring=RingParams(axis_name, n, 1, None, np.dtype(out_dtype)), impl=name,
-                  gpu=None if kernel is None else GpuPlan(mesh, kernel, OverlapConfig().timeout_s))
-
-  def body(x, w):
-    res = core.impls[name].run(x[None], w[None], cp, False)
-    return (res[0] if core.gathers else res)[0]
-
-  if op == "ag_rows":
-    shapes, specs, out_spec = ((n * rows, k), (k, n * cols)), (P(axis_name), P(None, axis_name)), \
-        P(None, axis_name)
-  else:
-    shapes, specs, out_spec = ((rows, n * k), (n * k, cols)), (P(None, axis_name), P(axis_name)), \
-        P(axis_name)
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec))
-  keys = iter(jax.random.split(jax.random.key(sum(sizes)), 2 * input_sets))
-  arg_sets = [tuple(jax.device_put(jax.random.normal(next(keys), shape, np.float32).astype(dtype),
-                                   NamedSharding(mesh, spec)) for shape, spec in zip(shapes, specs))
-              for _ in range(input_sets)]
-  return autotune.time_call(fn, arg_sets)
+  return CoreParams(ring=RingParams(axis_name, n, 1, None, np.dtype(out_dtype)),
+                    impl="unfused" if kernel is None else "triton",
+                    gpu=None if kernel is None else GpuPlan(mesh, kernel, timeout_s))
 
 
 def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,

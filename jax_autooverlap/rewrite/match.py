@@ -7,12 +7,15 @@ from typing import Any
 from jax_autooverlap.reasons import code_of
 
 
-FUSED, UNFUSED, SKIPPED = "fused", "unfused", "skipped"
+FUSED, UNFUSED, SKIPPED, PENDING = "fused", "unfused", "skipped", "pending"
 
 
 def status_of(impl: str) -> str:
   """Status of a rewritten match from the planner's note (ops.planning.describe), which
-  starts with what runs: "unfused ..." where the plain collective and matmul run."""
+  starts with what runs: "unfused ..." where the plain collective and matmul run; a note
+  coded "first_call" is a shape whose first call measures which runs."""
+  if code_of(impl) == "first_call":
+    return PENDING
   return UNFUSED if impl.startswith("unfused") else FUSED
 
 PHASES = {"fwd": "forward pass", "bwd": "backward pass (a transpose / VJP)",
@@ -29,7 +32,10 @@ class Match:
   status: "fused" (a fused op runs: the reference ring or the GPU kernel),
     "unfused" (rewritten into the fused op, which runs the plain collective
     and matmul here: forced by OverlapConfig(impl="unfused") or chosen by the
-    tuner; `impl` says which) or "skipped" (left as written; `reason` says why).
+    tuner; `impl` says which), "pending" (rewritten into the fused op; no
+    measured verdict for its shape yet: its first call times the kernel
+    against the unfused program and keeps the faster) or "skipped" (left as
+    written; `reason` says why).
   impl: what runs for a rewritten match on the program's platform.
   operand: which dot operand is gathered ("lhs"/"rhs"), or whose free dim is
     scattered; dim_kind: "free", "contracting" or "batch" for that dim.
@@ -82,8 +88,8 @@ class Match:
 
   @property
   def rewritten(self) -> bool:
-    """The program holds the fused op here (status fused or unfused)."""
-    return self.status in (FUSED, UNFUSED)
+    """The program holds the fused op here (status fused, unfused or pending)."""
+    return self.status in (FUSED, UNFUSED, PENDING)
 
 
 def _shape(s):
@@ -127,6 +133,11 @@ class Report:
   @property
   def skipped(self) -> list[Match]:
     return [m for m in self.matches if m.status == SKIPPED]
+
+  @property
+  def pending(self) -> list[Match]:
+    """Rows whose first call measures the kernel against the unfused program."""
+    return [m for m in self.matches if m.status == PENDING]
 
   def mark_skipped(self, match: Match, reason) -> bool:
     """Replace `match` (this very object, wherever listed) by a skipped copy; False if absent."""
@@ -176,6 +187,8 @@ class Report:
     if any(m.phase != "fwd" for m in self.matches):
       lines.append("pass: " + "; ".join(f"{k} = {v}" for k, v in PHASES.items()))
     counts = f"{len(self.fused)} fused, {len(self.skipped)} skipped"
+    if self.pending:
+      counts += f", {len(self.pending)} pending (measured on the first call)"
     if self.unfused:
       counts += f", {len(self.unfused)} unfused (the plain collective and matmul run)"
     return "\n".join(lines + [counts])

@@ -1,5 +1,5 @@
 """Trace-time context of fused ops: the concrete mesh they run on (GPU kernels need its
-devices)."""
+devices), and whether the trace is ao.explain's (which never times anything)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,36 @@ import contextvars
 import numpy as np
 
 _MESH = contextvars.ContextVar("jax_autooverlap_mesh", default=None)
+
+
+def _explaining_state():
+  """A JAX config state in jit's cache key: 0 outside ao.explain, else 1 + the number of
+  verdicts measured in this process so far.  So a program traced for ao.explain (where shapes
+  still to be measured are planned without measuring) is never reused by a call, nor by an
+  explain after a measurement."""
+  from jax._src import config
+  name = "jax_autooverlap_explaining"
+  return config.config_states.get(name) or config.int_state(
+      name, 0, "ao.explain is tracing (jax_autooverlap internal)", include_in_jit_key=True,
+      include_in_trace_context=True)
+
+
+_EXPLAINING = _explaining_state()
+_measured = [0]
+
+
+def measured() -> None:
+  """A first-call measurement decided a verdict (explain's traces from before are stale)."""
+  _measured[0] += 1
+
+
+def explaining():
+  """Context manager: what is traced inside is ao.explain's trace (plans, never measures)."""
+  return _EXPLAINING(1 + _measured[0])
+
+
+def is_explaining() -> bool:
+  return bool(_EXPLAINING.value)
 
 
 @contextlib.contextmanager

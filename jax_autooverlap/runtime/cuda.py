@@ -18,6 +18,9 @@ import ctypes
 import functools
 
 _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+_CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13               # kHz, the SM boost clock
+_CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36        # kHz
+_CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37  # bits
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
 _CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
@@ -99,6 +102,17 @@ def sm_count(ordinal: int) -> int:
   _check(_lib().cuDeviceGetAttribute(ctypes.byref(val), _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
                                      _device(ordinal)), "cuDeviceGetAttribute")
   return val.value
+
+
+@functools.cache
+def device_properties(ordinal: int) -> dict:
+  """SMs, SM boost clock (MHz) and memory bandwidth (GB/s: double data rate x bus width) as the
+  driver reports them."""
+  a = lambda attribute: _attribute(ordinal, attribute)
+  return {"num_sms": a(_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+          "clock_mhz": a(_CU_DEVICE_ATTRIBUTE_CLOCK_RATE) / 1e3,
+          "memory_gbps": 2 * a(_CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3
+          * a(_CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8 / 1e9}
 
 
 @functools.cache

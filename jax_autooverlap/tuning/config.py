@@ -1,14 +1,15 @@
 """Frozen, self-validating configuration of the fused ops.
 
 Choice order (tuning/select.py): explicit config -> tuning cache (measured
-verdicts: shipped JSON, the user's benchmark runs and first-call autotuning)
--> cost model (tuning/model.py) -> unfused.  The cache says, per device kind,
-world size, shape and dtype, whether the fused GPU kernel beat the unfused
-program and with which kernel config.
+verdicts: the user's first-call measurements and benchmark runs, shipped JSON)
+-> first-call measurement (on by default) -> cost model (tuning/model.py) ->
+unfused.  The cache says, per device kind, world size, shape and dtype, whether
+the fused GPU kernel beat the unfused program and with which kernel config.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 Impl = Literal["auto", "reference", "unfused", "triton"]
@@ -19,6 +20,10 @@ DEFAULT_CHUNKS = 1
 # GPU kernel engines: "tl" the portable Triton kernels (kernels/ag_gemm.py, gemm_rs.py), "gluon"
 # the warp-specialised Gluon kernels for sm_90 (kernels/gluon_*.py).  The tuner picks by measurement.
 ENGINES: tuple[str, ...] = ("tl", "gluon")
+
+# JAX_AUTOOVERLAP_AUTOTUNE=0 (or false, no, off) turns first-call measurement off in every call.
+AUTOTUNE_ENV = "JAX_AUTOOVERLAP_AUTOTUNE"
+_OFF = ("0", "false", "no", "off")
 
 
 def _positive_int(owner: str, name: str, value, allow_none=False):
@@ -96,16 +101,19 @@ class OverlapConfig:
   chunks: pieces each shard is split into by the reference ring (>= 1).
   kernel: explicit GPU kernel config (else the tuner's).
   timeout_s: bound on every cross-GPU wait of the kernels.
-  autotune: on the first call with a shape that has no measured verdict, time
-    the cost model's best kernel configs and the unfused program on the GPUs
-    and keep the fastest in the user's tuning cache (tuning/autotune.py; also
-    on with the environment variable JAX_AUTOOVERLAP_AUTOTUNE=1).
+  autotune: on the first trace of a shape with no measured verdict for its GPU
+    kind, group size and dtype, time the kernel candidates against the unfused
+    program on the call's GPUs, every process of the mesh agreeing, and keep
+    the verdict in the user's tuning cache (tuning/autotune.py).  On by
+    default; False keeps the cost model's choice where it was fit for this GPU
+    kind and group size, else the unfused program.  JAX_AUTOOVERLAP_AUTOTUNE=0
+    turns it off in every call.
   """
   impl: Impl = "auto"
   chunks: int | None = None
   kernel: KernelConfig | None = None
   timeout_s: float = 10.0
-  autotune: bool = False
+  autotune: bool = True
 
   def __post_init__(self):
     if self.impl not in IMPLS:
@@ -117,6 +125,12 @@ class OverlapConfig:
       raise ValueError(f"OverlapConfig: timeout_s={self.timeout_s!r} must be in (0, 3600]")
     if not isinstance(self.autotune, bool):
       raise TypeError(f"OverlapConfig: autotune={self.autotune!r} must be a bool")
+
+
+def autotune_enabled(config: OverlapConfig) -> bool:
+  """First-call measurement asked for: the config's `autotune`, unless the environment turns
+  it off everywhere."""
+  return config.autotune and os.environ.get(AUTOTUNE_ENV, "").strip().lower() not in _OFF
 
 
 def as_overlap_config(config, what: str) -> OverlapConfig:

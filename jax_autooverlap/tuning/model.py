@@ -26,6 +26,23 @@ with the kernel, which bounds small calls).
 The parameters are data (tuning/data/model_*.json and the user's cache,
 written by `python -m jax_autooverlap.bench calibrate` and by tuning/fit.py);
 nothing here is specific to one GPU.
+
+Where no parameters were measured for a (GPU kind, group size), the model is
+derived (`CostModel.derived` says which parameters, and ao.explain shows it):
+  - another group size on NVSwitch nodes: a GPU's link bandwidth does not
+    depend on how many peers share it, and the collective curves are per byte
+    received (each GPU receives (w-1)/w of the gathered data, sends (w-1)/w of
+    what it scatters), so the curves and link bandwidth carry over, plus a ring
+    step's latency (`HOP_US`) per extra peer; the fused kernels' push and
+    exchange terms already count (w-1) peers' bytes;
+  - another Hopper part: from a calibrated kind (NVIDIA H200 ships) scaled by
+    device properties (`DeviceProps`: SMs x SM clock for compute-bound GEMMs,
+    memory bandwidth for memory-bound ones, NVLink bandwidth for every
+    transfer), read from the device where the caller can (SMs, clocks, memory
+    bus), else from `HOPPER` (the vendors' data sheets).
+A derived model extrapolates: the planner uses it to rank and prune the
+candidates of the first-call measurement and for explain's prediction, never
+as the final word on fused vs unfused (tuning/select.py).
 """
 from __future__ import annotations
 
@@ -42,6 +59,38 @@ from jax_autooverlap.tuning.config import KernelConfig
 
 FORMAT = 1
 MAX_CHUNKS = 64  # arrival counters per peer in the workspace (runtime/workspace.py MAX_CHUNKS)
+# One more ring step of NCCL's collectives per extra peer: the order of a cross-GPU flag round
+# trip measured on 2xH200 (5-8 us, docs/NOTES.md).  An assumption, not fitted.
+HOP_US = 5.0
+# Dense tensor-core flops per SM per clock on Hopper (sm_90), by operand size in bytes:
+# 989 TFLOP/s bf16 = 132 SMs x 4096 x 1.83 GHz (H100/H200 SXM data sheets).
+FLOPS_PER_SM_CLOCK = {1: 8192, 2: 4096, 4: 2048}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProps:
+  """What the derivation of another Hopper part's model scales by; `source` says where each
+  value comes from ("device" or "table")."""
+  num_sms: int
+  clock_mhz: float     # SM boost clock
+  memory_gbps: float   # HBM bandwidth
+  nvlink_gbps: float   # NVLink bandwidth per GPU per direction (through NVSwitch to any peer)
+  source: str = "table"
+
+
+# Hopper parts of NVSwitch nodes (HGX / DGX boards, GH200 NVL systems), as CUDA names them
+# (jax's device_kind): SMs, SM boost clock, memory bandwidth, NVLink per direction.  From the
+# vendors' data sheets; PCIe and NVL cards are left out (their NVLink bridges join pairs only).
+HOPPER = {
+    "NVIDIA H200": DeviceProps(132, 1980, 4800, 450),
+    "NVIDIA H100 80GB HBM3": DeviceProps(132, 1980, 3350, 450),
+    "NVIDIA H800": DeviceProps(132, 1980, 3350, 200),
+    "NVIDIA H20": DeviceProps(78, 1980, 4000, 450),
+    "NVIDIA GH200 480GB": DeviceProps(132, 1980, 4000, 450),
+    "NVIDIA GH200 144G HBM3e": DeviceProps(132, 1980, 4900, 450),
+}
+# The calibrated kind other Hopper parts are derived from.
+BASE_KIND = "NVIDIA H200"
 
 
 def tile_name(cfg: KernelConfig) -> str:
@@ -143,6 +192,12 @@ class CostModel:
   group: GroupParams
   source: str = ""       # where the group's parameters come from (shown by ao.explain)
   gemm_source: str = ""  # where the single-GPU GEMM part comes from
+  derived: tuple = ()    # what is derived, not measured (empty: fit on this kind and group)
+
+  @property
+  def extrapolated(self) -> bool:
+    """Some parameters were derived for this GPU kind or group size, not measured on it."""
+    return bool(self.derived)
 
   # --- the unfused program ---------------------------------------------------
 
@@ -298,13 +353,9 @@ def clear_cache():
   load.cache_clear()
 
 
-def from_params(params: dict, world: int, dtype) -> CostModel | None:
-  """The model of (world, dtype) from one device kind's params, or None where a part is missing."""
-  name = np.dtype(dtype).name
-  gemm = params.get("gemm", {}).get(name)
-  group = params.get("groups", {}).get(group_key(world, name))
-  if gemm is None or group is None or not gemm.get("tiles"):
-    return None
+def _model(params: dict, world: int, name: str, group: dict, source: str,
+           derived: tuple = ()) -> CostModel:
+  gemm = params["gemm"][name]
   return CostModel(
       device_kind=params["device_kind"], world=world, dtype=name, num_sms=int(params["num_sms"]),
       gemm=GemmModel(tuple(tuple(p) for p in gemm["points"]), gemm.get("bandwidth_log2", 0.6)),
@@ -312,11 +363,108 @@ def from_params(params: dict, world: int, dtype) -> CostModel | None:
       group=GroupParams(**{f.name: (Curve.from_points(group[f.name])
                                     if f.name.endswith("collective") else float(group[f.name]))
                            for f in dataclasses.fields(GroupParams)}),
-      source=f"params {group.get('source', '?')}", gemm_source=gemm.get("source", "?"))
+      source=source, gemm_source=gemm.get("source", "?"), derived=derived)
+
+
+def other_group_size(group: dict, fit_world: int, world: int) -> dict:
+  """A group's parameters for `world` GPUs on NVSwitch from those fit on `fit_world` (module
+  docstring): the collective curves shifted by a ring step per extra peer, the rest kept."""
+  shift = (world - fit_world) * HOP_US / 1e3
+  out = dict(group)
+  for part in ("ag_collective", "rs_collective"):
+    out[part] = [[b, max(t + shift, 1e-4)] for b, t in group[part]]
+  return out
+
+
+def from_params(params: dict, world: int, dtype) -> CostModel | None:
+  """The model of (world, dtype) from one device kind's params, or None where a part is missing.
+
+  A group size without fitted parameters is derived from the nearest one fitted (same dtype).
+  """
+  name = np.dtype(dtype).name
+  gemm = params.get("gemm", {}).get(name)
+  if gemm is None or not gemm.get("tiles"):
+    return None
+  groups = params.get("groups", {})
+  group = groups.get(group_key(world, name))
+  if group is not None:
+    return _model(params, world, name, group, f"params {group.get('source', '?')}")
+  fitted = sorted((abs(int(k.split("|")[0][1:]) - world), int(k.split("|")[0][1:]))
+                  for k in groups if k.endswith("|" + name))
+  if not fitted:
+    return None
+  fit_world = fitted[0][1]
+  base = groups[group_key(fit_world, name)]
+  return _model(params, world, name, other_group_size(base, fit_world, world),
+                f"params {base.get('source', '?')} for {fit_world} GPUs, derived for {world}",
+                (f"group of {world} from the fit on {fit_world} GPUs (NVSwitch: same link "
+                 f"bandwidth per GPU, +{HOP_US:g} us per ring step)",))
+
+
+def other_hopper(params: dict, device_kind: str, props: DeviceProps,
+                 base_props: DeviceProps) -> dict:
+  """Params of another Hopper part from a calibrated kind's, scaled by device properties."""
+  compute = (base_props.num_sms * base_props.clock_mhz) / (props.num_sms * props.clock_mhz)
+  memory = base_props.memory_gbps / props.memory_gbps
+  link = props.nvlink_gbps / base_props.nvlink_gbps
+  clock = props.clock_mhz / base_props.clock_mhz
+  out = {**params, "device_kind": device_kind, "num_sms": props.num_sms, "gemm": {}, "groups": {}}
+  for name, gemm in params.get("gemm", {}).items():
+    item = np.dtype(name).itemsize
+    peak = base_props.num_sms * FLOPS_PER_SM_CLOCK.get(item, 4096) * base_props.clock_mhz * 1e6
+    points = []
+    for m, n, k, tflops in gemm["points"]:
+      flops = 2.0 * m * n * k
+      moved = (m * k + k * n + m * n) * item
+      # roofline of the calibrated kind: which bound the point sits nearer to scales its time
+      scale = compute if flops / peak >= moved / (base_props.memory_gbps * 1e9) else memory
+      points.append([m, n, k, tflops / scale])
+    out["gemm"][name] = {**gemm, "points": points,
+                         "source": f"{gemm.get('source', '?')}, scaled to {device_kind}"}
+  for key, group in params.get("groups", {}).items():
+    g = dict(group)
+    for part in ("ag_collective", "rs_collective"):  # t_X(bytes) = t_base(bytes / link)
+      g[part] = [[b * link, t] for b, t in group[part]]
+    g["link_gbps"] = group["link_gbps"] * link
+    g["mover_gbps_per_cta"] = group["mover_gbps_per_cta"] * clock
+    g["rs_exchange_us_per_kib"] = group["rs_exchange_us_per_kib"] / clock
+    out["groups"][key] = g
+  return out
+
+
+def _derived_kind_note(device_kind: str, props: DeviceProps, base: str) -> str:
+  return (f"{device_kind} from {base}'s calibration scaled by {props.source} properties "
+          f"({props.num_sms} SMs, {props.clock_mhz:g} MHz, {props.memory_gbps:g} GB/s memory, "
+          f"{props.nvlink_gbps:g} GB/s NVLink)")
+
+
+def device_props(device_kind: str, read: DeviceProps | None = None) -> DeviceProps | None:
+  """The kind's properties: what was read from the device (NVLink bandwidth, which the device
+  does not report here, from the table), else the table's, else None."""
+  table = HOPPER.get(device_kind)
+  if read is None:
+    return table
+  if table is None:
+    return None  # no NVLink bandwidth known: no derivation
+  return dataclasses.replace(read, nvlink_gbps=table.nvlink_gbps,
+                             source="device (NVLink from the table)")
 
 
 @functools.cache
-def load(device_kind: str, world: int, dtype) -> CostModel | None:
-  """The cost model for this GPU kind, group size and dtype, or None (never calibrated)."""
-  params = _all_params().get(device_kind)
-  return None if params is None else from_params(params, world, dtype)
+def load(device_kind: str, world: int, dtype, props: DeviceProps | None = None) -> CostModel | None:
+  """The cost model for this GPU kind, group size and dtype, or None (never calibrated, not
+  derivable).  `props`: the device's properties as read by the caller (for derivation)."""
+  all_params = _all_params()
+  params = all_params.get(device_kind)
+  if params is not None:
+    return from_params(params, world, dtype)
+  mine, base_props = device_props(device_kind, props), HOPPER.get(BASE_KIND)
+  base = all_params.get(BASE_KIND)
+  if mine is None or base is None or base_props is None:
+    return None
+  model = from_params(other_hopper(base, device_kind, mine, base_props), world, dtype)
+  if model is None:
+    return None
+  note = _derived_kind_note(device_kind, mine, BASE_KIND)
+  return dataclasses.replace(model, derived=(note, *model.derived),
+                             source=f"{model.source}; derived for {device_kind}")

@@ -1,15 +1,22 @@
 """Pick the GPU kernel config for a fused call, or decide the unfused program wins.
 
 Order: explicit `OverlapConfig.kernel` (or impl='triton') -> measured verdict
-for this exact shape -> the cost model's choice (tuning/model.py) -> the
-unfused program.  Measured verdicts are the JSON shipped in tuning/data/
-plus the user's cache directory (tuning/store.py, where
-`python -m jax_autooverlap.bench ag|rs` and first-call autotuning record
-them; user entries win).  The cost model covers any shape on a (GPU kind,
-group size, dtype) it has parameters for (shipped, or from
-`python -m jax_autooverlap.bench calibrate`); elsewhere the kernel has never
-been checked against the unfused program and is not chosen.  A shape the
-kernel cannot run (alignment, dtype, shared memory) is never chosen.
+for this exact shape, GPU kind, group size and dtype -> first-call
+measurement (`OverlapConfig.autotune`, on by default: the verdict says
+"first_call" and lists the candidates; ops/measure.py times them on the
+call's GPUs and records the result, which is a measured verdict from then on)
+-> the cost model's choice where it was fit on this GPU kind and group size
+-> the unfused program.  Measured verdicts are the JSON shipped in
+tuning/data/ plus the user's cache directory (tuning/store.py; user entries
+win; a verdict measured with other kernel sources does not count).  A shape
+the kernel cannot run (alignment, dtype, shared memory) is never chosen.
+
+Candidates of the first-call measurement: the cost model's fastest configs
+where it was fit on this GPU kind and group size, then a small fixed list per
+group size (`default_candidates`: chunks, movers and engines; the compile
+tests build every one of them for sm_90a), less those the kernel cannot run
+(`unsupported`: the resource model).  A model derived for another group size
+or GPU kind (tuning/model.py) only orders them and predicts.
 
 Every verdict says where it came from (`source`) and, where the model was
 consulted, what it predicts; ao.explain shows both.
@@ -24,7 +31,7 @@ import numpy as np
 from jax_autooverlap.reasons import Reason
 from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning import store
-from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
+from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig, autotune_enabled
 
 SMEM_LIMIT = 227 * 1024
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -33,23 +40,32 @@ KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 # model's ties go to the earlier config).
 CHUNKS = (4, 8, 16, 2)
 MOVERS = (8, 16, 32)
-AUTOTUNE_CANDIDATES = 3
-# Autotuning also times the model's best config on the Gluon engine (sm_90, 16-bit operands),
-# which the model does not rank (its tile costs are the tl kernels'); AG with these mover
-# warps (the Gluon AG push rate grows with the movers: docs/NOTES.md, two H200s), GEMM+RS
-# with and without a consumer partition per warpgroup (0.5-1.1 % faster in loopback).
-GLUON_MOVERS = (32, 64)
-GLUON_RS_WG_PARTITIONS = (False, True)
+AUTOTUNE_CANDIDATES = 3  # the fit model's fastest configs the first call times
+MAX_CANDIDATES = 6       # kernel configs timed at most per shape (each is compiled)
 GLUON_CAPABILITY = "9.0"
+# The fixed candidates per group size (2, 4, 8; others take the next larger listed size).
+# tl engine: (chunks per peer's shard, mover CTAs) for AG, chunks for GEMM+RS.  Shards shrink
+# as the group grows (M / w rows each), so fewer chunks per peer at 8; a GPU's pushes to any
+# peers share its NVLink bandwidth, filled by 12-16 tl movers at ~32 GB/s each (the fitted
+# per-CTA rate, 2xH200), more where w-1 peers' chunks are interleaved.  Gluon engine (sm_90,
+# 16-bit operands): AG with 32 and 64 mover warps (its push rate grows with them: 2xH200,
+# docs/NOTES.md; the shipped 2xH200 verdicts that chose Gluon took c4 m32 and c8 m64), GEMM+RS
+# with and without a consumer partition per warpgroup.  float32 runs one tl config.
+DEFAULT_TL = {"ag": {2: ((4, 16), (8, 16)), 4: ((4, 16), (2, 32)), 8: ((2, 16), (4, 32))},
+              "rs": {2: (4, 8), 4: (4, 2), 8: (2, 4)}}
+DEFAULT_GLUON = {"ag": {2: ((4, 32), (8, 64)), 4: ((4, 32), (2, 64)), 8: ((2, 32), (2, 64))},
+                 "rs": {2: 4, 4: 4, 8: 2}}
+LISTED_WORLDS = (2, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   kernel: KernelConfig | None  # None: run the unfused program
   reason: Reason               # why (shown by ao.explain)
-  source: str = ""             # explicit | measured | autotuned | model | "" (no choice made)
+  # explicit | measured | autotuned | model | first_call (to be measured) | "" (no choice made)
+  source: str = ""
   key: str | None = None       # this call's tuning-cache key
-  candidates: tuple = ()       # the model's fastest configs (what autotuning times)
+  candidates: tuple = ()       # what the first-call measurement times (or would, for the model)
   predicted: tuple | None = None  # (fused ms of the model's best config, unfused ms)
 
 
@@ -94,26 +110,54 @@ def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[Kerne
   return out
 
 
-def with_engines(op: str, candidates: tuple, compute_capability, sizes: tuple[int, int, int],
-                 dtype, out_dtype) -> tuple:
-  """Autotuning candidates: the model's, then its best config on the Gluon engine where that
-  runs (compute capability 9.0, 16-bit operands; AG once per GLUON_MOVERS, GEMM+RS once per
-  GLUON_RS_WG_PARTITIONS): the tuner chooses between engines by measurement.  sizes: (rows per
-  GPU, K, N) as `unsupported` takes them."""
-  if not candidates or str(compute_capability) != GLUON_CAPABILITY:
-    return candidates
-  best = candidates[0]
-  variants = ([dict(num_comm=m) for m in GLUON_MOVERS] if op == "ag"
-              else [dict(wg_partitions=wg) for wg in GLUON_RS_WG_PARTITIONS])
-  extra = []
-  for variant in variants:
-    try:
-      cfg = dataclasses.replace(best, engine="gluon", **variant)
-    except ValueError:  # the model's tiles do not fit the engine
-      continue
-    if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in candidates:
-      extra.append(cfg)
-  return tuple(candidates) + tuple(extra)
+def listed_world(world: int) -> int:
+  """The group size whose fixed candidates a group of `world` takes."""
+  return next((w for w in LISTED_WORLDS if w >= world), LISTED_WORLDS[-1])
+
+
+def default_candidates(op: str, world: int, dtype, compute_capability=None) -> tuple:
+  """The fixed first-call candidates of a group size (module docstring), the Gluon engine's
+  only where it runs (compute capability 9.0, 16-bit operands)."""
+  w = listed_world(world)
+  if np.dtype(dtype).itemsize == 4:
+    base = default_kernel(dtype)
+    first = DEFAULT_TL[op][w][0]
+    chunks, movers = first if op == "ag" else (first, base.num_comm)
+    return (dataclasses.replace(base, chunks=chunks, num_comm=movers),)
+  base = KernelConfig()
+  out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
+      if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
+  if str(compute_capability) == GLUON_CAPABILITY and np.dtype(dtype).itemsize == 2:
+    gluon = dataclasses.replace(base, engine="gluon")
+    if op == "ag":
+      out += [dataclasses.replace(gluon, chunks=c, num_comm=m) for c, m in DEFAULT_GLUON["ag"][w]]
+    else:
+      out += [dataclasses.replace(gluon, chunks=DEFAULT_GLUON["rs"][w], wg_partitions=wg)
+              for wg in (False, True)]
+  return tuple(out)
+
+
+def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int], cfg_rows: int,
+                          dtype, out_dtype, compute_capability=None):
+  """(candidates, predicted) of a first-call measurement: the fit model's fastest configs, then
+  the fixed list (a derived model orders the tl ones), less what the kernel cannot run, at most
+  MAX_CANDIDATES; predicted: the model's (fused ms of the best candidate, unfused ms) or None."""
+  rows, k, cols = sizes
+  runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None
+  fixed = [c for c in default_candidates(op, world, dtype, compute_capability) if runs(c)]
+  out_item = np.dtype(out_dtype).itemsize
+  if model is None:
+    return tuple(fixed[:MAX_CANDIDATES]), None
+  tl = lambda configs: [c for c in configs if c.engine == "tl"]  # the model's tile costs are tl's
+  if model.extrapolated:
+    ordered = [c for _, c in model.rank(op, rows, k, cols, tl(fixed), out_item)]
+  else:
+    space = [c for c in candidate_configs(op, model, dtype) if runs(c)]
+    ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
+  ordered = (ordered + [c for c in fixed if c not in ordered])[:MAX_CANDIDATES]
+  ranked = model.rank(op, rows, k, cols, tl(ordered), out_item)
+  predicted = (ranked[0][0], model.unfused_ms(op, rows, k, cols, out_item)) if ranked else None
+  return tuple(ordered), predicted
 
 
 def _describe(cfg: KernelConfig, op: str) -> str:
@@ -122,17 +166,32 @@ def _describe(cfg: KernelConfig, op: str) -> str:
 
 
 def measured_verdict(hit: dict, key: str) -> Verdict:
-  """The verdict of a tuning-cache entry (benchmark or autotuning)."""
-  source = "autotuned" if hit.get("source") == "autotune" else "measured"
+  """The verdict of a tuning-cache entry (first-call measurement or benchmark)."""
+  if hit.get("source") in ("first_call", "autotune"):
+    return _first_call_verdict(hit, key)
   times = ""
   if hit.get("ours_ms") is not None and hit.get("unfused_ms") is not None:
     times = f"{hit['ours_ms']:.3f} vs unfused {hit['unfused_ms']:.3f} ms"
   if hit.get("impl") == "triton":
     return Verdict(KernelConfig(**hit["kernel"]), Reason(
-        "kernel", f"{source}: fused kernel faster" + (f" ({times})" if times else "")), source, key)
+        "kernel", "measured: fused kernel faster" + (f" ({times})" if times else "")),
+        "measured", key)
   detail = "; ".join(x for x in (hit.get("note", ""), times.replace(" vs ", " fused vs ")) if x)
-  return Verdict(None, Reason("tuner_unfused", f"{source}: unfused faster"
-                              + (f" ({detail})" if detail else "")), source, key)
+  return Verdict(None, Reason("tuner_unfused", "measured: unfused faster"
+                              + (f" ({detail})" if detail else "")), "measured", key)
+
+
+def _first_call_verdict(hit: dict, key: str) -> Verdict:
+  ours, unfused = hit.get("ours_ms"), hit.get("unfused_ms")
+  times = (f"; {ours:.3f} ms vs unfused {unfused:.3f} ms" if ours is not None and
+           unfused is not None else f"; {ours:.3f} ms" if ours is not None else "")
+  note = hit.get("note", "")
+  if hit.get("impl") == "triton":
+    return Verdict(KernelConfig(**hit["kernel"]), Reason("kernel", f"autotuned: {note}{times}"),
+                   "autotuned", key)
+  code = "measure_failed" if hit.get("measure_failed") else "tuner_unfused"
+  return Verdict(None, Reason(code, f"autotuned: unfused program kept: {note}{times}"),
+                 "autotuned", key)
 
 
 def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtype,
@@ -157,9 +216,17 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
                  candidates, (best_ms, unfused))
 
 
+def _prediction(model, predicted) -> str:
+  if model is None or predicted is None:
+    return ""
+  fused, unfused = predicted
+  how = f"derived: {'; '.join(model.derived)}" if model.extrapolated else model.source
+  return f"; model: fused {fused:.3f} ms vs unfused {unfused:.3f} ms predicted ({how})"
+
+
 def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: str,
             sizes: tuple[int, int, int], shard_rows: int, dtype, out_dtype,
-            why_not: str | None) -> Verdict:
+            why_not: str | None, compute_capability, props) -> Verdict:
   explicit = config.kernel
   cfg = explicit or default_kernel(dtype)
   why_not = why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
@@ -171,28 +238,47 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
   hit = store.verdicts().get(key)
   if hit is not None:
     return measured_verdict(hit, key)
-  model = cost_model.load(device_kind, world, dtype)
-  if model is None:
+  stale = store.stale().get(key)
+  stale = f"; the cached verdict was {stale}" if stale else ""
+  model = cost_model.load(device_kind, world, dtype, props)
+  name = np.dtype(dtype).name
+  if autotune_enabled(config):
+    candidates, predicted = first_call_candidates(op, model, world, sizes, shard_rows, dtype,
+                                                  out_dtype, compute_capability)
+    if not candidates:
+      return Verdict(None, Reason("unsupported_shape", "no kernel candidate fits this shape"))
     return Verdict(None, Reason(
-        "never_measured", f"kernel never measured on {world}x {device_kind} for "
-        f"{np.dtype(dtype).name}: run `python -m jax_autooverlap.bench calibrate` (cost model) "
-        f"or `python -m jax_autooverlap.bench {op}` (verdicts for its shapes) there once"), "",
-        key)
+        "first_call", f"measured on the first call: the unfused program and {len(candidates)} "
+        f"kernel configs on {world}x {device_kind} ({name}){_prediction(model, predicted)}"
+        f"{stale}"), "first_call", key, candidates, predicted)
+  if model is None or model.extrapolated:
+    predicted = None if model is None else first_call_candidates(
+        op, model, world, sizes, shard_rows, dtype, out_dtype, compute_capability)[1]
+    return Verdict(None, Reason(
+        "never_measured", f"kernel never measured on {world}x {device_kind} for {name} and "
+        "first-call measurement is off (OverlapConfig(autotune=False) or "
+        "JAX_AUTOOVERLAP_AUTOTUNE=0): turn it on, or run `python -m jax_autooverlap.bench "
+        f"calibrate` (cost model) or `python -m jax_autooverlap.bench {op}` (verdicts for its "
+        f"shapes) there once{_prediction(model, predicted)}{stale}"), "", key)
   return _model_verdict(op, model, *sizes, dtype, out_dtype, key, shard_rows)
 
 
 def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: int, n: int,
-              dtype, out_dtype) -> Verdict:
-  """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n]."""
+              dtype, out_dtype, *, compute_capability=None, props=None) -> Verdict:
+  """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n].
+
+  compute_capability: the GPUs' ("9.0"), for the engines the first call may time; props: the
+  device's properties as read (model.DeviceProps), for a model derived for its kind."""
   key = cache_key("rs", device_kind, world, m, k * world, n, dtype)
   why_not = f"M={m} is not divisible by the axis size {world}" if m % world else None
   return _choose("rs", config, device_kind, world, key, (m, k, n), m // world, dtype, out_dtype,
-                 why_not)
+                 why_not, compute_capability, props)
 
 
 def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int, k: int, n: int,
-              dtype, out_dtype) -> Verdict:
-  """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]."""
+              dtype, out_dtype, *, compute_capability=None, props=None) -> Verdict:
+  """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]
+  (keywords as choose_rs)."""
   key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype)
   return _choose("ag", config, device_kind, world, key, (m_shard, k, n), m_shard, dtype,
-                 out_dtype, None)
+                 out_dtype, None, compute_capability, props)

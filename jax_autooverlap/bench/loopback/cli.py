@@ -22,16 +22,17 @@ log = common.logger("loopback")
 
 def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
-  verdict, else the default), with each engine."""
+  verdict, else the fit model's, else the default: nothing is measured here), with each
+  engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype = np_dtype(case.dtype)
   if case.op == "ag":
-    v = select.choose_ag(OverlapConfig(), device_kind, WORLD, case.m // WORLD, case.k,
-                         case.n // WORLD, dtype, dtype)
+    v = select.choose_ag(OverlapConfig(autotune=False), device_kind, WORLD, case.m // WORLD,
+                         case.k, case.n // WORLD, dtype, dtype)
   else:
-    v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
-                         dtype, dtype)
+    v = select.choose_rs(OverlapConfig(autotune=False), device_kind, WORLD, case.m,
+                         case.k // WORLD, case.n, dtype, dtype)
   base = v.kernel or select.default_kernel(dtype)
   out = {}
   for engine in engines:

@@ -1,0 +1,216 @@
+"""First-call measurement of a fused call on its own devices (tuning/autotune.py's protocol).
+
+`first_call` times, for a canonical call the tuner planned "first_call", the
+unfused program and each kernel candidate: the op alone (its core's own
+implementations, on 2-D operands) in shard_map over the call's mesh, every
+device of the mesh running it, as the kernels need.
+
+Inputs: random normal values that every process generates the same way, block
+by block on the device that holds the block (no collective, no host copy of the
+operands), two sets used alternately.  Each program's result is checked against
+the reference: this device's block of the product computed by XLA's dot on the
+device alone, in float32, from the same blocks.  That is the unfused program's
+math without its collective, so the check also runs where the unfused program
+cannot (several processes sharing one GPU, which NCCL refuses).
+
+The processes of the mesh agree through runtime/rendezvous.py: a Session named
+by the call's cache key, the mesh's devices and how many times this process
+measured them (every process counts alike: they trace the same program).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import re
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_autooverlap.ops import registry
+from jax_autooverlap.runtime import rendezvous
+from jax_autooverlap.tuning import autotune, select
+from jax_autooverlap.tuning.config import KernelConfig
+
+INPUT_SETS = 2
+# Relative (Frobenius) error a result may have against the float32 reference, by dtype: the
+# output's rounding and a different summation order, with room (bf16 keeps 8 mantissa bits).
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3}
+LOOSE_TOLERANCE = 0.15  # other dtypes (8-bit floats)
+_MEASURED = collections.Counter()  # (cache key, devices) -> measurements started here
+
+
+def measurements() -> int:
+  """First-call measurements this process has started (tests check a cached run starts none)."""
+  return sum(_MEASURED.values())
+
+
+def tolerance(dtype, out_dtype) -> float:
+  return max(TOLERANCE.get(np.dtype(d).name, LOOSE_TOLERANCE) for d in (dtype, out_dtype))
+
+
+class _Case:
+  """The operands of one call (two input sets) and this process's reference blocks."""
+
+  def __init__(self, op, mesh, axis_name, sizes, dtype, out_dtype):
+    rows, k, cols = sizes
+    self.n = n = mesh.shape[axis_name]
+    self.mesh, self.axis, self.dtype, self.op = mesh, axis_name, np.dtype(dtype), op
+    self.tol = tolerance(dtype, out_dtype)
+    if op == "ag_rows":  # all_gather(a, rows) @ b: a [n*rows, k] by rows, b [k, n*cols] by cols
+      self.shapes = ((n * rows, k), (k, n * cols))
+      self.specs = (P(axis_name), P(None, axis_name))
+      self.blocks = ((rows, k), (k, cols))
+      self.out_spec, self.out_shape = P(None, axis_name), (n * rows, n * cols)
+    else:  # psum_scatter(a @ b, rows): a [rows, n*k] by columns, b [n*k, cols] by rows
+      self.shapes = ((rows, n * k), (n * k, cols))
+      self.specs = (P(None, axis_name), P(axis_name))
+      self.blocks = ((rows, k), (k, cols))
+      self.out_spec, self.out_shape = P(axis_name), (rows, cols)
+    self.seed = int(hashlib.sha256(f"{op}{sizes}{self.dtype.name}".encode()).hexdigest()[:7], 16)
+    self._args, self._refs = {}, {}
+
+  def position(self, device) -> int:
+    """The device's index along the call's axis."""
+    where = np.argwhere(np.asarray(self.mesh.devices) == device)[0]
+    return int(where[list(self.mesh.axis_names).index(self.axis)])
+
+  def block(self, which: int, s: int, j: int, device):
+    """Block j of operand `which` (0: a, 1: b) of input set s, made on `device`."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), 4 * s + which), j)
+    with jax.default_device(device):
+      return _normal(key, self.blocks[which], self.dtype)
+
+  def args(self, s: int):
+    """Input set s as global arrays over the mesh."""
+    if s not in self._args:
+      out = []
+      for which, (shape, spec) in enumerate(zip(self.shapes, self.specs)):
+        sharding = NamedSharding(self.mesh, spec)
+        local = [self.block(which, s, self.position(d), d) for d in sharding.addressable_devices]
+        out.append(jax.make_array_from_single_device_arrays(shape, sharding, local))
+      self._args[s] = tuple(out)
+    return self._args[s]
+
+  def reference(self, s: int, device):
+    """This device's block of the output of input set s: XLA's dot on the device alone, f32
+    (computed once, shared by every program's check)."""
+    if (s, device) in self._refs:
+      return self._refs[(s, device)]
+    j = self.position(device)
+    whole = lambda which, axis: jnp.concatenate(
+        [self.block(which, s, i, device) for i in range(self.n)], axis=axis)
+    with jax.default_device(device):
+      if self.op == "ag_rows":
+        ref = _dot(whole(0, 0), self.block(1, s, j, device))
+      else:
+        rows = self.out_shape[0] // self.n
+        ref = _dot(whole(0, 1)[j * rows:(j + 1) * rows], whole(1, 0))
+    self._refs[(s, device)] = ref
+    return ref
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+@jax.jit
+def _dot(a, b):
+  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.jit
+def _rel_error(got, want):
+  return jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+
+
+@dataclasses.dataclass
+class _Program:
+  """One timed program (autotune.Program): the op alone through implementation `cp.impl`."""
+  label: str
+  case: _Case
+  core_name: str
+  cp: object
+  fn: Callable | None = None
+
+  def compile(self):
+    core, case = registry.core(self.core_name), self.case
+
+    def body(x, w):
+      res = core.impls[self.cp.impl].run(x[None], w[None], self.cp, False)
+      return (res[0] if core.gathers else res)[0]
+
+    fn = jax.jit(jax.shard_map(body, mesh=case.mesh, in_specs=case.specs,
+                               out_specs=case.out_spec))
+    self.fn = fn.lower(*case.args(0)).compile()
+
+  def check(self):
+    for s in range(INPUT_SETS):
+      out = jax.block_until_ready(self.fn(*self.case.args(s)))
+      for shard in out.addressable_shards:
+        err = float(_rel_error(shard.data, self.case.reference(s, shard.device)))
+        if not err <= self.case.tol:  # NaN fails too
+          raise ValueError(f"result off the reference on {shard.device}: relative error "
+                           f"{err:.2e} > {self.case.tol:g}")
+
+  def time(self, iters: int) -> float:
+    t0 = time.perf_counter()
+    outs = [self.fn(*self.case.args(i % INPUT_SETS)) for i in range(iters)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+class _Agreement:
+  """autotune.Agreement over the mesh's processes (runtime/rendezvous.py)."""
+
+  def __init__(self, tag: str, processes, what: str):
+    self.session = rendezvous.Session(tag, processes, what)
+    self.first = self.session.me == min(self.session.processes)
+
+  def exchange(self, step, payload):
+    return self.session.exchange(step, payload)
+
+  def conclude(self, ok, reason):
+    decision = self.session.decide(ok, reason)
+    return decision.ok, decision.reason
+
+
+def describe_call(op: str, world: int, sizes, dtype) -> str:
+  """ "ag 8192x4096x4096 bf16 on 8 GPUs": the global M x K x N as the benchmarks name shapes."""
+  rows, k, cols = sizes
+  m, kk, n = (world * rows, k, world * cols) if op == "ag_rows" else (rows, world * k, cols)
+  short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+  name = np.dtype(dtype).name
+  return f"{op[:2]} {m}x{kk}x{n} {short.get(name, name)} on {world} GPUs"
+
+
+def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, out_dtype,
+               params: Callable[[KernelConfig | None], object]) -> select.Verdict:
+  """Measure verdict.candidates against the unfused program on `mesh` (every process of it
+  agreeing) and return the verdict; params(kernel) is the CoreParams of the op on a 2-D call
+  (kernel None: the unfused program)."""
+  devices = np.asarray(mesh.devices)
+  ids = ",".join(str(d.id) for d in devices.flat)
+  count = _MEASURED[(verdict.key, ids)]
+  _MEASURED[(verdict.key, ids)] += 1
+  processes = sorted({d.process_index for d in devices.flat})
+  tag = "first-call/{}/{}/{}".format(re.sub(r"[^\w.|x-]", "_", verdict.key),
+                                     hashlib.sha256(ids.encode()).hexdigest()[:12], count)
+  what = describe_call(op, mesh.shape[axis_name], sizes, dtype)
+  agreement = _Agreement(tag, processes, f"first-call measurement of {what}")
+
+  def programs():
+    case = _Case(op, mesh, axis_name, sizes, dtype, out_dtype)
+    kernels = (None, *verdict.candidates)
+    labels = (autotune.UNFUSED, *map(str, range(len(verdict.candidates))))
+    return [_Program(label, case, op, params(kernel)) for label, kernel in zip(labels, kernels)]
+
+  return autotune.tune(op[:2], verdict, programs, agreement, what, len(processes))
+
