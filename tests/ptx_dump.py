@@ -127,8 +127,11 @@ def cases():
            *fused("rs", bf16, cfg, 2, SHAPES["rs"]["large"], gluon.launch_gemm_rs, trace=True))
 
   from jax_autooverlap.bench import loopback as lb
-  table = spec((2 * (lb.WORLD + 1),), np.uint32)
-  yield "loopback-arm", lambda t: lb._arm(t, compute_capability=90), (table,)
+  from jax_autooverlap.bench.loopback import programs
+  for world in WORLDS:  # the set-up kernel of each loopback group size
+    table = spec((2 * (world + 1),), np.uint32)
+    yield ("loopback-arm" + (f"-world{world}" if world != lb.WORLD else ""),
+           lambda t, world=world: programs._arm(t, world, compute_capability=90), (table,))
 
 
 def _kernels():

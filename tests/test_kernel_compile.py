@@ -175,18 +175,21 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   assert_scratch_is_the_operand(ptx)
 
 
-@pytest.mark.parametrize("trace", [False, True], ids=["plain", "trace"])
+@pytest.mark.parametrize("trace,world", [(False, 2), (True, 2), (False, 8)],
+                         ids=["plain", "trace", "world8"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_path, op, trace):
-  """bench/loopback.py's fused program (set-up kernel + fused Gluon kernel), as the benchmark and
-  its --trace build it: trace returns (output, int64 timeline), the plain one the output only."""
+def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_path, op, trace,
+                                                             world):
+  """bench/loopback/'s fused program (set-up kernel + fused Gluon kernel), as the benchmark and
+  its --trace build it: trace returns (output, int64 timeline), the plain one the output only;
+  in a group of 8 the table has 9 address pairs."""
   from jax_autooverlap.bench import loopback as lb
-  case = lb.Case(op, 1024, 1024, 1024, dtype="bfloat16")
+  case = lb.Case(op, 1024, 1024, 1024, dtype="bfloat16", world=world)
   cfg = KernelConfig(engine="gluon")
   program = lb.fused_program(case, cfg, 132, compute_capability=90, trace=trace)
   specs = (jax.ShapeDtypeStruct(case.a_shape, jnp.bfloat16),
            jax.ShapeDtypeStruct(case.b_shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((2 * (lb.WORLD + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
+           jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
   out = jax.eval_shape(program, *specs)
   if trace:
     assert out[0].shape == case.out_shape and out[1].dtype == np.int64 and out[1].shape[1:] == (257, 4)

@@ -259,8 +259,8 @@ commands:
   ag, rs             the fused op (ag: all_gather(x) @ w, rs: psum_scatter(x @ w)) against the
                      unfused program, XLA's windowed einsum and Pallas-MGPU, with the overlap
                      floor, on all local GPUs (at least 2); records its verdicts for ao.jit
-  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of two whose peer is a
-                     second buffer on the same GPU, against cuBLAS on the same local GEMM
+  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of --world (2, 4, 8) whose
+                     peers are buffers on the same GPU, against cuBLAS on the same local GEMM
   model              a Llama-style training step: jax.jit vs XLA's overlap flags vs ao.jit
   calibrate          fit the cost model to this machine
 

@@ -25,13 +25,13 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   verdict, else the default), with each engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
-  dtype = np_dtype(case.dtype)
+  dtype, w = np_dtype(case.dtype), case.world
   if case.op == "ag":
-    v = select.choose_ag(OverlapConfig(), device_kind, WORLD, case.m // WORLD, case.k,
-                         case.n // WORLD, dtype, dtype)
-  else:
-    v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
+    v = select.choose_ag(OverlapConfig(), device_kind, w, case.m // w, case.k, case.n // w,
                          dtype, dtype)
+  else:
+    v = select.choose_rs(OverlapConfig(), device_kind, w, case.m, case.k // w, case.n, dtype,
+                         dtype)
   base = v.kernel or select.default_kernel(dtype)
   out = {}
   for engine in engines:
@@ -41,7 +41,7 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
       log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
     # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
-    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
+    why = select.unsupported(case.m // w, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
                              cfg)
     if why is None:
       out[engine] = cfg
@@ -117,13 +117,14 @@ def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
   cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
   if cfg is None:
     return {}, {}
-  rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
-  cols = case.n // WORLD if case.op == "ag" else case.n
+  w = case.world
+  rows = case.m // w  # ag: a shard; rs: an owner's output rows
+  cols = case.n // w if case.op == "ag" else case.n
   per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   if case.op == "ag":
     kind = lambda t: "local" if t < per_source else "peer"
   else:
-    kind = lambda t: "own" if t >= (WORLD - 1) * per_source else "remote"
+    kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
   runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
           "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
   summaries, raw = {}, {}
@@ -141,7 +142,8 @@ def format_table(op: str, records: list[dict]) -> str:
   for r in records:
     by_shape.setdefault((r["m"], r["k"], r["n"]), {})[r["impl"]] = r
   title = "AllGather+GEMM" if op == "ag" else "GEMM+ReduceScatter"
-  lines = [f"{title} loopback (one GPU, world {WORLD}), ms, device time per call (median)",
+  worlds = ",".join(sorted({str(r.get("world_size", WORLD)) for r in records}))
+  lines = [f"{title} loopback (one GPU, world {worlds}), ms, device time per call (median)",
            "  ".join(f"{h:>16}" for h in ("shape MxKxN", "local GEMM", "gemm_alone", "ours",
                                            "engine", "ours_tl", "engine_alone", "ours/gemm",
                                            "tl/gemm", "engine/gemm", "sm MHz min"))]
@@ -165,17 +167,20 @@ def format_table(op: str, records: list[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(
       prog="python -m jax_autooverlap.bench",
-      description="One GPU: the fused kernel as rank 0 of a group of two whose peer is a second "
-                  "buffer on the same GPU (its data and arrival counters in place), checked "
+      description="One GPU: the fused kernel as rank 0 of a group of --world GPUs whose peers "
+                  "are buffers on the same GPU (their data and arrival counters in place), checked "
                   "against the unfused result and timed (CUPTI device time, interleaved rounds) "
                   "against cuBLAS doing the same local GEMM and the Gluon engine's GEMM alone. "
                   "Writes *-loopback.json, *-engine-alone.json and a table.")
   ap.add_argument("op", choices=["ag", "rs"],
                   help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
   ap.add_argument("--loopback", action="store_true", required=True,
-                  help="one GPU standing in for a group of two (this mode)")
+                  help="one GPU standing in for a group of --world (this mode)")
+  ap.add_argument("--world", type=int, default=WORLD,
+                  help="group size the GPU stands in for: 2, 4, 8, ... (default: %(default)s)")
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                  help="global MxKxN of the two-GPU op, comma-separated (default: %(default)s)")
+                  help="global MxKxN of the --world-GPU op, comma-separated (default: "
+                       "%(default)s)")
   ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
   ap.add_argument("--engines", default="tl,gluon",
                   help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
@@ -200,7 +205,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype) for s in args.shapes.split(",")]
+  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
+           for s in args.shapes.split(",")]
   import jax
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if not gpus:
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
-                      "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
+                      "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
     if args.trace and "gluon" in engines:
       summaries, raw = trace_case(case, gpus[0])
@@ -227,7 +233,7 @@ def main(argv=None) -> int:
       raw_traces.update({f"{case.label}/{impl}": t for impl, t in raw.items()})
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  stem = f"{gpu}-x1-{date}-{args.op}"
+  stem = f"{gpu}-x1-{date}-{args.op}" + (f"-w{args.world}" if args.world != WORLD else "")
   path = out_dir / f"{stem}-loopback{args.tag}.json"
   if timelines:
     (out_dir / f"{stem}-timeline{args.tag}.json").write_text(json.dumps(timelines, indent=1))
