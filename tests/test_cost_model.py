@@ -447,8 +447,54 @@ def test_gluon_autotune_candidates_only_where_the_engine_runs():
   assert select.with_engines("ag", ranked, "8.0", sizes, BF16, BF16) == ranked  # not sm_90
   assert select.with_engines("ag", ranked, None, sizes, BF16, BF16) == ranked  # not a GPU
   assert select.with_engines("ag", ranked, "9.0", sizes, np.float32, np.float32) == ranked
-  tl_only = (KernelConfig(block_m=64, num_warps=4),)  # tiles the Gluon engine does not take
+  tl_only = (KernelConfig(block_m=32, num_warps=4),)  # tiles the Gluon engine does not take
   assert select.with_engines("ag", tl_only, "9.0", sizes, BF16, BF16) == tl_only
+  # a small shape's narrower tiles (select.small_shape_configs) are timed on Gluon too; its
+  # split-K stays on tl
+  small = (KernelConfig(), KernelConfig(block_m=64, block_n=128, num_warps=4),
+           KernelConfig(split_k=4))
+  got = select.with_engines("rs", small, "9.0", (128, 4096, 768), BF16, BF16)
+  assert got[:3] == small and [(k.engine, k.block_m, k.block_n, k.wg_partitions)
+                               for k in got[3:]] == [("gluon", 128, 256, False),
+                                                     ("gluon", 128, 256, True),
+                                                     ("gluon", 64, 128, False)]
+
+
+def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
+  """Where the default tiles give fewer than two waves: 128x128, 64x256, 64x128 per engine
+  (a warpgroup per 64 rows), and on tl split-K on the smallest tile whose tiles fit the
+  split counters (64); none for large shapes or 32-bit operands."""
+  base = KernelConfig()
+  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
+  got = select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132)
+  assert [(c.engine, c.block_m, c.block_n, c.num_warps, c.split_k) for c in got] == [
+      ("tl", 128, 128, 8, 1), ("tl", 64, 256, 4, 1), ("tl", 64, 128, 4, 1),
+      ("gluon", 128, 128, 8, 1), ("gluon", 64, 256, 4, 1), ("gluon", 64, 128, 4, 1),
+      ("tl", 64, 128, 4, 2)]  # 48 tiles x 2 parts (x 3 would pass the 132 SMs)
+  assert all(select.unsupported(16, 4096, 768, BF16, BF16, c) is None for c in got)
+  for c in got:
+    tiles = select.fused_tiles(8, 16, 768, c)
+    assert select.split_k_unsupported(c, tiles, 4096) is None and tiles * c.split_k <= 132
+  assert select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132,
+                                    ("tl",))[-1].split_k == 2
+  # 8192 rows at TP = 2 (2 x 32 x 12 = 768 tiles): large
+  assert select.small_shape_configs("ag", 2, 4096, 4096, 3072, BF16, BF16, base, 132) == []
+  assert select.small_shape_configs("ag", 8, 16, 4096, 768, np.float32, np.float32,
+                                    select.default_kernel(np.float32), 132) == []
+
+
+def test_split_k_limits_and_the_planner_refuses_what_does_not_fit():
+  cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, split_k=4)
+  assert select.split_k_unsupported(cfg, 64, 4096) is None
+  assert select.split_k_unsupported(cfg, 65, 4096) == (
+      "split_k=4 takes at most 64 output tiles per call, this shape has 65")
+  assert select.split_k_unsupported(cfg, 8, 192) == "split_k=4 exceeds the 3 k-blocks of K=192"
+  assert select.split_k_unsupported(KernelConfig(), 10_000, 64) is None
+  # an explicit split config on a shape with too many tiles: unfused, with the reason
+  v = select.choose_ag(ao.OverlapConfig(kernel=cfg), H200, 2, 4096, 4096, 4096, BF16, BF16)
+  assert v.kernel is None and v.reason.code == "unsupported_shape" and "split_k=4" in v.reason
+  v = select.choose_ag(ao.OverlapConfig(kernel=cfg), H200, 8, 16, 4096, 768, BF16, BF16)
+  assert v.kernel == cfg and v.source == "explicit"
 
 
 def test_fit_reads_only_tl_kernel_records(tmp_path):

@@ -21,10 +21,22 @@ def test_engine_is_validated_with_what_the_gluon_kernels_need():
   assert KernelConfig(engine="gluon").engine == "gluon"
   with pytest.raises(ValueError, match="engine='cuda' is not one of"):
     KernelConfig(engine="cuda")
-  with pytest.raises(ValueError, match="block_m=64 must be 128 for engine='gluon'"):
-    KernelConfig(engine="gluon", block_m=64)
-  with pytest.raises(ValueError, match="num_warps=4 must be 8 for engine='gluon'"):
+  with pytest.raises(ValueError, match="block_m=32 must be 64 or 128 for engine='gluon'"):
+    KernelConfig(engine="gluon", block_m=32, num_warps=4)
+  with pytest.raises(ValueError, match="num_warps=4 must be block_m / 16 for engine='gluon'"):
     KernelConfig(engine="gluon", num_warps=4)
+  with pytest.raises(ValueError, match="num_warps=8 must be block_m / 16"):
+    KernelConfig(engine="gluon", block_m=64)
+  # 64-row tiles: one consumer warpgroup; no partition per warpgroup then
+  assert KernelConfig(engine="gluon", block_m=64, num_warps=4).num_warps == 4
+  with pytest.raises(ValueError, match="wg_partitions=True needs engine='gluon' and block_m=128"):
+    KernelConfig(engine="gluon", block_m=64, num_warps=4, wg_partitions=True)
+  # split-K is the tl engine's
+  assert KernelConfig(split_k=4).split_k == 4
+  with pytest.raises(ValueError, match="split_k=2 needs engine='tl'"):
+    KernelConfig(engine="gluon", split_k=2)
+  with pytest.raises(ValueError, match="split_k=0 must be a positive int"):
+    KernelConfig(split_k=0)
   with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
     KernelConfig(engine="gluon", num_stages=1)
   with pytest.raises(ValueError, match="block_n=512"):

@@ -201,7 +201,9 @@ def test_table_and_records():
   assert row[7:10] == ["1.050", "1.250", "1.025"]
   json.dumps(records)
   records[1]["kernel"] = {"engine": "gluon", "wg_partitions": True}  # the partitioned GEMM+RS
-  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon+wg"
+  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon_wg"
+  records[1]["kernel"] = {"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 3}
+  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "tl-64x128-k3"
 
 
 def test_parse_args_requires_loopback_flag():

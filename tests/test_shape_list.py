@@ -121,9 +121,9 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
                   impl="unsupported", reason="K=3696 must be a multiple of 64")]
   rows = shapes.table_rows(records)
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
-                     "1.080", "gluon 128x128", "1.040", "1.300", "1.10", "yes")
+                     "1.080", "gluon-128x128", "1.040", "1.300", "1.10", "yes")
   # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan
-  assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl 64x128 k/4", "nan",
+  assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
                          "nan", "1.25", "yes")
   assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
                      "K=3696 must be a multiple of 64", "-", "-", "-", "-")

@@ -3,10 +3,11 @@
 Same arguments and outputs as the `tl` launchers in backends/triton.py, which
 hand over to these; the kernels keep the same workspace layout and protocol.
 The grid and the per-call constants follow the `tl` launchers; what differs:
-- the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
-  producer warp group (jax-triton launches all of them: _compat.py, fix 6);
+- the kernel runs num_warps = block_m / 16 warps for its consumer warpgroups
+  (8 for 128-row tiles, 4 for 64-row ones) plus one worker warp group
+  (jax-triton launches all of them: _compat.py, fix 6);
 - the operand ring has kernel.num_stages stages, the consumers' tile is
-  block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup);
+  block_m x block_n, one 64-row wgmma per warpgroup;
 - AG+GEMM: the shard is pushed by a mover warp in each of the first
   kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid).
 """

@@ -37,6 +37,7 @@ import pathlib
 import sys
 
 from jax_autooverlap.bench import common
+from jax_autooverlap.bench.loopback.cli import variant_name
 
 LIST = pathlib.Path(__file__).parent / "data" / "llm_shapes.json"
 # ours / cuBLAS targets: where the local GEMM takes at least TARGET_SPLIT_MS, and below
@@ -102,18 +103,6 @@ def target(gemm_ms: float) -> float:
   return TARGETS[0] if gemm_ms >= TARGET_SPLIT_MS else TARGETS[1]
 
 
-def _kernel_name(record: dict) -> str:
-  """The fused variant of an `ours` record: engine, +wg, and tiles / split where not the
-  default 128x256 tile."""
-  cfg = record.get("kernel", {})
-  name = record.get("engine", "-") + ("+wg" if cfg.get("wg_partitions") else "")
-  if cfg and (cfg.get("block_m"), cfg.get("block_n")) != (128, 256):
-    name += f" {cfg['block_m']}x{cfg['block_n']}"
-  if cfg.get("split_k", 1) > 1:
-    name += f" k/{cfg['split_k']}"
-  return name
-
-
 HEAD = ("model", "proj", "op", "w", "global MxKxN", "local GEMM", "cuBLAS ms", "ours/cuBLAS",
         "ours kernel", "engine/cuBLAS", "tl/cuBLAS", "target", "met")
 
@@ -139,7 +128,8 @@ def table_rows(records: list[dict]) -> list[tuple]:
     met = "-" if math.isnan(ours) else ("yes" if ours <= goal else "no")
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"])) if "gemm_alone" in impls else "-"
     rows.append((model, proj, op, w, shape, local, f"{gemm:.4f}", f"{ours:.3f}",
-                 _kernel_name(impls["ours"]) if "ours" in impls else "-",
+                 variant_name(impls["ours"].get("kernel", impls["ours"]))
+                 if "ours" in impls else "-",
                  f"{ratio('engine_alone'):.3f}", f"{ratio('ours_tl'):.3f}", f"{goal:.2f}", met))
   return rows
 

@@ -257,4 +257,4 @@ def gluon_ag_gemm_kernel(
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
-              eng.NUM_WARPS)
+              eng.consumer_warps(BLOCK_M))

@@ -162,7 +162,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
               OP_ID: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
               WG_PARTS: gl.constexpr):
-  """The consumers: one 8-warp partition for whole tiles (WG_PARTS = 1), or warpgroup WG's
+  """The consumers: one partition for whole tiles (WG_PARTS = 1; a warpgroup per 64 rows of
+  the tile), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
   adds and stores its half, and pushes and releases it; a peer's chunk counter then counts
   halves).  o_desc, c_smem and part_bar are this partition's.  state: the call's (my_slots,
@@ -173,7 +174,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   ROWS: gl.constexpr = o_desc.block_type.shape[0]  # rows of each tile this partition computes
   BLOCK_M: gl.constexpr = ROWS * WG_PARTS
   ROW0: gl.constexpr = WG * ROWS
-  WARPS: gl.constexpr = eng.NUM_WARPS // WG_PARTS
+  WARPS: gl.constexpr = eng.consumer_warps(ROWS)
   TRACE_HERE: gl.constexpr = TRACE if WG == 0 else False
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
@@ -287,8 +288,9 @@ def gluon_gemm_rs_kernel(
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
     WG_PARTS: gl.constexpr,
 ):
-  """WG_PARTS: 1 (one consumer partition of two warpgroups) or 2 (a partition per warpgroup,
-  KernelConfig.wg_partitions; launched with 4 warps, its default partition being warpgroup 0)."""
+  """WG_PARTS: 1 (one consumer partition: two warpgroups for BLOCK_M = 128, one for 64) or 2
+  (BLOCK_M = 128 only: a partition per warpgroup, KernelConfig.wg_partitions; launched with 4
+  warps, its default partition being warpgroup 0)."""
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -353,4 +355,4 @@ def gluon_gemm_rs_kernel(
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
-              eng.NUM_WARPS // WG_PARTS)
+              eng.consumer_warps(ROWS))

@@ -17,6 +17,7 @@ consulted, what it predicts; ao.explain shows both.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -41,6 +42,14 @@ AUTOTUNE_CANDIDATES = 3
 GLUON_MOVERS = (32, 64)
 GLUON_RS_WG_PARTITIONS = (False, True)
 GLUON_CAPABILITY = "9.0"
+# Small shapes (fewer than SMALL_WAVES waves of the default tiles): autotuning and the loopback
+# benchmark also time narrower tiles (a warpgroup per 64 rows) and, on the tl engine, split-K
+# (kernels/split_k.py) where even those leave SMs idle.  The model has no tile costs for
+# them: measured only.
+SMALL_WAVES = 2
+SMALL_TILES = ((128, 128), (64, 256), (64, 128))
+SPLIT_K_MAX = 8
+NUM_SMS = 132  # H100 / H200: where a caller knows no SM count (tests/ptx_dump.py's list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +90,63 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
   return None
 
 
+def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
+  """Output tiles of one GPU's fused call: every source's (AG) or owner's (RS) shard_rows x n."""
+  return world * math.ceil(shard_rows / cfg.block_m) * math.ceil(n / cfg.block_n)
+
+
+def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
+  """Why split-K (kernels/split_k.py) cannot run a launch of `tiles` output tiles with K = k,
+  or None: its counters are the MAX_CHUNKS arrival counters of a rank's own row of the
+  workspace, and every part needs a k-block."""
+  if cfg.split_k == 1:
+    return None
+  if tiles > cost_model.MAX_CHUNKS:
+    return (f"split_k={cfg.split_k} takes at most {cost_model.MAX_CHUNKS} output tiles per "
+            f"call, this shape has {tiles}")
+  if cfg.split_k > math.ceil(k / cfg.block_k):
+    return f"split_k={cfg.split_k} exceeds the {math.ceil(k / cfg.block_k)} k-blocks of K={k}"
+  return None
+
+
+def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dtype, out_dtype,
+                        base: KernelConfig, num_sms: int = NUM_SMS,
+                        engines=("tl", "gluon")) -> list[KernelConfig]:
+  """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
+  waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
+  K = k): per engine, the SMALL_TILES (a warpgroup per 64 rows: 8 warps for 128-row tiles,
+  4 for 64-row ones), and on `tl` split-K over the smallest tile whose tiles fit its
+  counters.  Chunks and movers stay the base's (a shard of one row tile is one chunk).
+  Only configs that run the shape; none for 32-bit dtypes (no small-tile measurements)."""
+  if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
+    return []
+  fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c) is None
+                    and split_k_unsupported(c, fused_tiles(world, shard_rows, n, c), k) is None)
+  out = []
+  for engine in engines:
+    for bm, bn in SMALL_TILES:
+      try:
+        cfg = dataclasses.replace(base, engine=engine, block_m=bm, block_n=bn, num_warps=bm // 16,
+                                  wg_partitions=False, split_k=1)
+      except ValueError:  # the engine does not take these tiles
+        continue
+      if cfg != base and fits(cfg):
+        out.append(cfg)
+  if "tl" in engines:
+    # the smallest tile whose tiles fit the split counters: the least fp32 partial traffic
+    # and, on a shard of few rows, the least idle MMA rows
+    for bm, bn in SMALL_TILES[::-1] + ((128, 256),):
+      cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, num_warps=bm // 16,
+                                wg_partitions=False, split_k=1)
+      tiles = fused_tiles(world, shard_rows, n, cfg)
+      split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
+      cfg = dataclasses.replace(cfg, split_k=max(split, 1))
+      if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
+        out.append(cfg)
+        break
+  return out
+
+
 def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[KernelConfig]:
   """Every config the model can rank: its tile shapes x chunk counts (x movers for AG)."""
   base = default_kernel(dtype)
@@ -98,20 +164,25 @@ def with_engines(op: str, candidates: tuple, compute_capability, sizes: tuple[in
                  dtype, out_dtype) -> tuple:
   """Autotuning candidates: the model's, then its best config on the Gluon engine where that
   runs (compute capability 9.0, 16-bit operands; AG once per GLUON_MOVERS, GEMM+RS once per
-  GLUON_RS_WG_PARTITIONS): the tuner chooses between engines by measurement.  sizes: (rows per
-  GPU, K, N) as `unsupported` takes them."""
+  GLUON_RS_WG_PARTITIONS) and the candidates' other tiles (small shapes) on it too: the tuner
+  chooses between engines by measurement.  sizes: (rows per GPU, K, N) as `unsupported`
+  takes them."""
   if not candidates or str(compute_capability) != GLUON_CAPABILITY:
     return candidates
   best = candidates[0]
   variants = ([dict(num_comm=m) for m in GLUON_MOVERS] if op == "ag"
               else [dict(wg_partitions=wg) for wg in GLUON_RS_WG_PARTITIONS])
+  tries = [(best, v) for v in variants]
+  # the small shapes' narrower tiles (small_shape_configs) on the Gluon engine too
+  tries += [(c, {}) for c in candidates[1:]
+            if c.split_k == 1 and (c.block_m, c.block_n) != (best.block_m, best.block_n)]
   extra = []
-  for variant in variants:
+  for cfg, variant in tries:
     try:
-      cfg = dataclasses.replace(best, engine="gluon", **variant)
+      cfg = dataclasses.replace(cfg, engine="gluon", **variant)
     except ValueError:  # the model's tiles do not fit the engine
       continue
-    if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in candidates:
+    if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in (*candidates, *extra):
       extra.append(cfg)
   return tuple(candidates) + tuple(extra)
 
@@ -147,7 +218,10 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
     return Verdict(None, Reason("unsupported_shape", "model: no kernel config it covers fits this "
                                 f"shape ({model.source})"), "model", key)
   best_ms, best = ranked[0]
-  candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES])
+  # small shapes: also the narrower tiles and split-K, which the model cannot rank
+  small = small_shape_configs(op, model.world, cfg_rows, k, cols, dtype, out_dtype, best,
+                              model.num_sms, ("tl",))
+  candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES]) + tuple(small)
   if best_ms < unfused:
     return Verdict(best, Reason("kernel", f"model: fused {best_ms:.3f} ms vs unfused "
                                 f"{unfused:.3f} ms predicted, {_describe(best, op)} "
@@ -162,7 +236,8 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
             why_not: str | None) -> Verdict:
   explicit = config.kernel
   cfg = explicit or default_kernel(dtype)
-  why_not = why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
+  why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
+             or split_k_unsupported(cfg, fused_tiles(world, shard_rows, sizes[2], cfg), sizes[1]))
   if why_not:
     return Verdict(None, Reason("unsupported_shape", why_not))
   if explicit is not None or config.impl == "triton":

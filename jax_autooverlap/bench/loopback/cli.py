@@ -57,50 +57,86 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
   return (f"gluon_{op}_gemm_kernel",) if op == "ag" else ("gluon_gemm_rs_kernel",)
 
 
+def variant_name(cfg) -> str:
+  """A fused variant's name: its engine (gluon_wg: a consumer partition per warpgroup), then
+  its tiles and split where not the default's.  cfg: a KernelConfig or its record's dict."""
+  get = cfg.get if isinstance(cfg, dict) else lambda f, d=None: getattr(cfg, f)
+  name = get("engine", "tl") + ("_wg" if get("wg_partitions", False) else "")
+  if (get("block_m", 128), get("block_n", 256)) != (128, 256):
+    name += f"-{get('block_m', 128)}x{get('block_n', 256)}"
+  return name + (f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else "")
+
+
+def fused_variants(case: Case, device_kind: str, engines, num_sms: int) -> dict:
+  """{name: KernelConfig} of the fused variants autotuning would time for this case: the
+  tuner's config on each engine, GEMM+RS on the Gluon engine with a consumer partition per
+  warpgroup too, and for small shapes the narrower tiles and split-K
+  (tuning/select.small_shape_configs)."""
+  from jax_autooverlap.tuning import select
+  configs = kernel_configs(case, device_kind, engines)
+  variants = {variant_name(c): c for c in configs.values()}
+  if case.op == "rs" and "gluon" in configs:
+    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
+  if configs:
+    dtype = np_dtype(case.dtype)
+    _, k, n = case.local_gemm
+    for cfg in select.small_shape_configs(case.op, case.world, case.m // case.world, k, n, dtype,
+                                          dtype, next(iter(configs.values())), num_sms,
+                                          tuple(configs)):
+      variants.setdefault(variant_name(cfg), cfg)
+  return variants
+
+
 def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
-  """Records of one case: gemm_alone, ours_tl, engine_alone and ours (the fastest of the fused
-  variants autotuning times: each engine, and for GEMM+RS the Gluon engine with a consumer
-  partition per warpgroup too)."""
+  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants),
+  ours_tl (the fastest on the tl engine), engine_alone (the Gluon engine's GEMM alone with the
+  tiles of the fastest Gluon variant)."""
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  configs = kernel_configs(case, device.device_kind, engines)
+  variants = fused_variants(case, device.device_kind, engines, num_sms)
   contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
-  if "gluon" in configs:
-    contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
-                                   ("gluon_gemm_kernel",))
-  variants = dict(configs)
-  if case.op == "rs" and "gluon" in configs:
-    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
-  for engine, cfg in variants.items():
+  engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
+  for name, cfg in variants.items():
+    if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n) not in engine_tiles:
+      tiles = (cfg.block_m, cfg.block_n)
+      engine_tiles[tiles] = f"engine_alone-{tiles[0]}x{tiles[1]}"
+      contestants[engine_tiles[tiles]] = (
+          engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms), lb.gemm_args(),
+          ("gluon_gemm_kernel",))
+  for name, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
     try:
-      checks[engine] = lb.check(program)
+      checks[name] = lb.check(program)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      log(f"{case.op} {case.label} engine {engine} failed: {type(e).__name__}: {str(e)[:400]}")
+      log(f"{case.op} {case.label} {name} failed: {type(e).__name__}: {str(e)[:400]}")
       continue
-    ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
-          and checks[engine]["bit_identical_repeat"])
-    log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
-        f"{'ok' if ok else 'WRONG, not timed'}")
+    ok = (checks[name]["rel_err"] <= MAX_REL_ERR and checks[name]["push_rel_err"] <= MAX_REL_ERR
+          and checks[name]["bit_identical_repeat"])
+    log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[engine] = (program, lb.fused_args(),
-                             kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))
+      contestants[name] = (program, lb.fused_args(), kernel_names(cfg.engine, case.op))
   with timing.ClockSampler() as clocks:
     timed = timing.time_interleaved(contestants, rounds, calls)
-  variants_timed = [e for e in variants if e in timed]
+  fastest = lambda names: min(names, key=lambda e: timed[e][0]) if names else None
+  fused = fastest([e for e in variants if e in timed])
+  tl = fastest([e for e in variants if e in timed and variants[e].engine == "tl"])
+  gluon = fastest([e for e in variants if e in timed and variants[e].engine == "gluon"])
   records = [("gemm_alone", timed["gemm_alone"], {})]
-  if "tl" in timed:
-    records.append(("ours_tl", timed["tl"], {"engine": "tl", **checks["tl"]}))
-  if "engine_alone" in timed:
-    records.append(("engine_alone", timed["engine_alone"], {"engine": "gluon"}))
-  if variants_timed:
-    best = min(variants_timed, key=lambda e: timed[e][0])
-    records.append(("ours", timed[best], {"engine": variants[best].engine, **checks[best],
-                                          "kernel": dataclasses.asdict(variants[best])}))
-  for e in variants:
-    if e != "tl" and e in timed:
-      log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
+  described = lambda e: {"engine": variants[e].engine, **checks[e],
+                         "kernel": dataclasses.asdict(variants[e])}
+  if tl is not None:
+    records.append(("ours_tl", timed[tl], described(tl)))
+  tiles = (variants[gluon].block_m, variants[gluon].block_n) if gluon else None
+  if engine_tiles.get(tiles) in timed:
+    records.append(("engine_alone", timed[engine_tiles[tiles]],
+                    {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}"}))
+  if fused is not None:
+    records.append(("ours", timed[fused], described(fused)))
+  for e in contestants:
+    if e in timed and e != "gemm_alone":
+      log(f"{case.op} {case.label} {e}: {timed[e][0]:.4f} ms "
+          f"({timed[e][0] / timed['gemm_alone'][0]:.3f} x cuBLAS)")
   return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
           for impl, (ms, info), extra in records]
 
@@ -155,7 +191,7 @@ def format_table(op: str, records: list[dict]) -> str:
     clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
     shape = f"{m}x{k}x{n}"
     ours = impls.get("ours", {})
-    engine = ours.get("engine", "-") + ("+wg" if ours.get("kernel", {}).get("wg_partitions") else "")
+    engine = variant_name(ours["kernel"]) if "kernel" in ours else ours.get("engine", "-")
     lines.append("  ".join([f"{shape:>16}",
                             f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
                             f"{engine:>16}", f"{t:>16.4f}",
