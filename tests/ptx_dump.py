@@ -11,7 +11,9 @@ the tuner can return (select.default_kernel for bf16, f16 and f32, every shipped
 with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and without
 warpgroup partitions, as autotuning times it), worlds 2, 4 and 8, a large and a ragged
 shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs);
-the timeline builds (trace=True); the loopback set-up kernel.
+the timeline builds (trace=True); the loopback set-up kernel; and every config that an entry
+of the benchmark's shape list selects for small shapes (select.small_shape_configs: narrower
+tiles on both engines, split-K on tl), at the first entry that selects it.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -35,13 +37,15 @@ SHAPES = {"ag": {"large": (2048, 8192, 4096), "ragged": (300, 1024, 640)},
 GEMM_SHAPES = {"large": (4096, 8192, 4096), "ragged": (1000, 1024, 1000)}
 # the engine benchmark's configs (bench/engine.py CONFIGS), on the Gluon engine
 GEMM_CONFIGS = (dict(block_m=128, block_n=256, num_stages=3),
-                dict(block_m=128, block_n=128, num_stages=4))
+                dict(block_m=128, block_n=128, num_stages=4),
+                dict(block_m=64, block_n=256, num_warps=4, num_stages=3),
+                dict(block_m=64, block_n=128, num_warps=4, num_stages=3))
 
 
 def _cfg_name(cfg) -> str:
   return (f"{cfg.engine}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-g{cfg.group_m}"
           f"-w{cfg.num_warps}-s{cfg.num_stages}-c{cfg.chunks}-m{cfg.num_comm}"
-          + ("-wg" if cfg.wg_partitions else ""))
+          + ("-wg" if cfg.wg_partitions else "") + (f"-k{cfg.split_k}" if cfg.split_k > 1 else ""))
 
 
 def tuner_configs(op: str) -> list:
@@ -62,6 +66,30 @@ def tuner_configs(op: str) -> list:
         if op == "rs" and engine == "gluon":
           out.add((dtype, dataclasses.replace(cfg, engine=engine, wg_partitions=True)))
   return sorted(out, key=str)
+
+
+def list_configs() -> list:
+  """(op, KernelConfig, world, local shape (rows of a[rows, K], K, N)) of every config that an
+  entry of the shape list (jax_autooverlap/bench/data/llm_shapes.json) selects for small shapes
+  beyond the tuner's own (select.small_shape_configs on the default config, both engines,
+  132 SMs, bf16), at the first entry that selects it: what the compile tests check."""
+  import jax.numpy as jnp
+  from jax_autooverlap.bench import shapes
+  from jax_autooverlap.tuning import select
+  bf16 = jnp.bfloat16
+  out, seen = [], set()
+  for e in shapes.load():
+    case = e.case()
+    rows, k, n = case.m // case.world, case.local_gemm[1], case.local_gemm[2]
+    base = select.default_kernel(bf16)
+    if select.unsupported(rows, k, n, bf16, bf16, base):
+      continue
+    for cfg in select.small_shape_configs(e.op, case.world, rows, k, n, bf16, bf16, base,
+                                          select.NUM_SMS):
+      if (e.op, cfg) not in seen:
+        seen.add((e.op, cfg))
+        out.append((e.op, cfg, case.world, case.a_shape + (case.b_shape[1],)))
+  return out
 
 
 def cases():
@@ -101,6 +129,11 @@ def cases():
             yield base, *fused(op, dtype, cfg, world, shape)
 
   bf16 = jnp.dtype(jnp.bfloat16)
+  for op, cfg, world, shape in list_configs():
+    extra = dict(return_gathered=False) if op == "ag" else {}
+    yield (f"{op}-bfloat16-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
+           *fused(op, bf16, cfg, world, shape, **extra))
+
   for dtype in (jnp.bfloat16, jnp.float16):
     dt = jnp.dtype(dtype)
     for fields in GEMM_CONFIGS:

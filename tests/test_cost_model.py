@@ -452,12 +452,13 @@ def test_gluon_autotune_candidates_only_where_the_engine_runs():
   # a small shape's narrower tiles (select.small_shape_configs) are timed on Gluon too; its
   # split-K stays on tl
   small = (KernelConfig(), KernelConfig(block_m=64, block_n=128, num_warps=4),
-           KernelConfig(split_k=4))
+           KernelConfig(block_m=64, num_warps=8), KernelConfig(split_k=4))
   got = select.with_engines("rs", small, "9.0", (128, 4096, 768), BF16, BF16)
-  assert got[:3] == small and [(k.engine, k.block_m, k.block_n, k.wg_partitions)
-                               for k in got[3:]] == [("gluon", 128, 256, False),
-                                                     ("gluon", 128, 256, True),
-                                                     ("gluon", 64, 128, False)]
+  assert got[:4] == small and [(k.engine, k.block_m, k.block_n, k.num_warps, k.wg_partitions)
+                               for k in got[4:]] == [("gluon", 128, 256, 8, False),
+                                                     ("gluon", 128, 256, 8, True),
+                                                     ("gluon", 64, 128, 4, False),
+                                                     ("gluon", 64, 256, 4, False)]
 
 
 def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
@@ -468,7 +469,7 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
   got = select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132)
   assert [(c.engine, c.block_m, c.block_n, c.num_warps, c.split_k) for c in got] == [
-      ("tl", 128, 128, 8, 1), ("tl", 64, 256, 4, 1), ("tl", 64, 128, 4, 1),
+      ("tl", 128, 128, 8, 1), ("tl", 64, 256, 8, 1), ("tl", 64, 128, 4, 1),
       ("gluon", 128, 128, 8, 1), ("gluon", 64, 256, 4, 1), ("gluon", 64, 128, 4, 1),
       ("tl", 64, 128, 4, 2)]  # 48 tiles x 2 parts (x 3 would pass the 132 SMs)
   assert all(select.unsupported(16, 4096, 768, BF16, BF16, c) is None for c in got)

@@ -342,3 +342,24 @@ def test_ncu_engine_summary_reads_one_row_per_kernel_and_skips_rule_rows():
   assert [name for name, _ in got] == ["gluon_gemm_kernel", "nvjet_sm90_tst_256x128"]
   assert got[0][1] == {"Duration": "346,592", "SM Frequency": "1,607,911,102.97"}
   assert got[1][1] == {"Duration": "340,384"}
+
+
+def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
+  """What the benchmark times per case: the tuner's config on each engine, GEMM+RS's warpgroup
+  partitions, and for small shapes (fewer than two waves of 128x256 tiles) the narrower tiles
+  on both engines and split-K on tl; none of those for a large shape."""
+  small = fixture.Case("rs", 128, 4096, 4096, world=8)  # 16 output rows per owner
+  got = cli.fused_variants(small, "NVIDIA H200", ["tl", "gluon"], 132)
+  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128", "tl-64x256", "tl-64x128",
+                       "gluon-128x128", "gluon-64x256", "gluon-64x128"]
+  assert [got[n].num_warps for n in ("tl-64x256", "tl-64x128", "gluon-64x256")] == [8, 4, 4]
+  # 8 x 1 x 16 = 128 tiles of 64x128 tiles: too many for split-K's counters
+  assert all(c.split_k == 1 for c in got.values())
+  qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # 16-row shards, 768 columns
+  got = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
+  assert list(got)[-1] == "tl-64x128-k2" and got["tl-64x128-k2"].split_k == 2
+  assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
+                                 ["tl", "gluon"], 132)) == ["tl", "gluon"]
+  assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
+  assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
+      "tl-64x256-k3")

@@ -35,6 +35,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 
 from jax_autooverlap.bench import common
 from jax_autooverlap.bench.loopback.cli import variant_name
@@ -184,6 +185,9 @@ def parser() -> argparse.ArgumentParser:
                   help="interleaved rounds per entry (default: %(default)s)")
   ap.add_argument("--calls", type=int, default=20,
                   help="back-to-back calls per round (default: %(default)s)")
+  ap.add_argument("--time-budget", type=float, default=None,
+                  help="seconds: start no entry after this long (the table of what ran is "
+                       "still printed)")
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
@@ -217,7 +221,11 @@ def main(argv=None) -> int:
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = out_dir / f"{gpu}-x1-{date}-shapes"
   records = []
+  start = time.monotonic()
   for i, e in enumerate(entries, 1):
+    if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+      log(f"time budget of {args.time_budget:.0f} s spent: entries {i}..{len(entries)} not run")
+      break
     case = e.case(args.dtype)
     log(f"[{i}/{len(entries)}] {e.label} (local GEMM {'x'.join(map(str, case.local_gemm))})")
     base = {"model": e.model, "projection": e.projection, "tokens": e.tokens,

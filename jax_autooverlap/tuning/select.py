@@ -109,14 +109,21 @@ def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
   return None
 
 
+def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
+  """Gluon: a consumer warpgroup per 64 rows.  tl: 8 warps where a tile has 16K elements or
+  more (with 4, the fp32 accumulator and GEMM+RS's sum beside it spill; ptxas -v), else 4."""
+  if engine == "gluon":
+    return block_m // 16
+  return 8 if block_m * block_n >= 64 * 256 else 4
+
+
 def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dtype, out_dtype,
                         base: KernelConfig, num_sms: int = NUM_SMS,
                         engines=("tl", "gluon")) -> list[KernelConfig]:
   """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
   waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
-  K = k): per engine, the SMALL_TILES (a warpgroup per 64 rows: 8 warps for 128-row tiles,
-  4 for 64-row ones), and on `tl` split-K over the smallest tile whose tiles fit its
-  counters.  Chunks and movers stay the base's (a shard of one row tile is one chunk).
+  K = k): per engine, the SMALL_TILES (_small_tile_warps), and on `tl` split-K over the
+  smallest tile whose tiles fit its counters.  Chunks and movers stay the base's (a shard of one row tile is one chunk).
   Only configs that run the shape; none for 32-bit dtypes (no small-tile measurements)."""
   if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
     return []
@@ -126,7 +133,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   for engine in engines:
     for bm, bn in SMALL_TILES:
       try:
-        cfg = dataclasses.replace(base, engine=engine, block_m=bm, block_n=bn, num_warps=bm // 16,
+        cfg = dataclasses.replace(base, engine=engine, block_m=bm, block_n=bn,
+                                  num_warps=_small_tile_warps(engine, bm, bn),
                                   wg_partitions=False, split_k=1)
       except ValueError:  # the engine does not take these tiles
         continue
@@ -134,10 +142,12 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
         out.append(cfg)
   if "tl" in engines:
     # the smallest tile whose tiles fit the split counters: the least fp32 partial traffic
-    # and, on a shard of few rows, the least idle MMA rows
-    for bm, bn in SMALL_TILES[::-1] + ((128, 256),):
-      cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, num_warps=bm // 16,
-                                wg_partitions=False, split_k=1)
+    # and, on a shard of few rows, the least idle MMA rows (not 128x256: its sum of the parts
+    # beside the accumulator spills)
+    for bm, bn in SMALL_TILES[::-1]:
+      cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn,
+                                num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
+                                split_k=1)
       tiles = fused_tiles(world, shard_rows, n, cfg)
       split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
       cfg = dataclasses.replace(cfg, split_k=max(split, 1))
@@ -179,7 +189,7 @@ def with_engines(op: str, candidates: tuple, compute_capability, sizes: tuple[in
   extra = []
   for cfg, variant in tries:
     try:
-      cfg = dataclasses.replace(cfg, engine="gluon", **variant)
+      cfg = dataclasses.replace(cfg, engine="gluon", num_warps=cfg.block_m // 16, **variant)
     except ValueError:  # the model's tiles do not fit the engine
       continue
     if unsupported(*sizes, dtype, out_dtype, cfg) is None and cfg not in (*candidates, *extra):

@@ -20,13 +20,15 @@ jax_autooverlap.bench`); the local work of one GPU is
   rs  [M, K/W] @ [K/W, N] (it owns M/W output rows)
 Contestants (programs.py), run interleaved (rounds of back-to-back calls of each in turn):
   gemm_alone  the local GEMM through XLA (cuBLAS)
-  ours        the fused kernel with the engine the tuner would pick: the
-              fastest correct engine of this run (field `engine`; GEMM+RS on the
+  ours        the fastest correct fused variant autotuning would time (cli.py
+              fused_variants: the tuner's config on each engine, GEMM+RS on the
               Gluon engine with and without a consumer partition per warpgroup,
-              as autotuning times it: field `kernel`)
-  ours_tl     the fused kernel with the plain `tl` engine
+              and for small shapes narrower tiles and split-K; fields `engine`,
+              `kernel`)
+  ours_tl     the fastest of those on the plain `tl` engine
   engine_alone  the Gluon engine's plain GEMM (kernels/gluon_gemm.py) on the same
-              local work, same tiles: what the fused kernel costs over its engine
+              local work, with the tiles of the fastest Gluon variant: what the fused
+              kernel costs over its engine
               (in the table; its records go to *-engine-alone.json with mode "engine",
               so the *-loopback.json records are gemm_alone, ours and ours_tl)
 Times are device times of the contestant's kernels (bench/timing.py: jax.profiler,
@@ -38,9 +40,10 @@ against the unfused computation (jnp on the same GPU): its output, and what
 it pushed into each peer's buffer; a wrong one is reported and not timed.
 The records' fields: bench/records/README.md.
 """
-from jax_autooverlap.bench.loopback.cli import bench_case, kernel_configs, main, trace_case
+from jax_autooverlap.bench.loopback.cli import (bench_case, fused_variants, kernel_configs, main,
+                                                trace_case, variant_name)
 from jax_autooverlap.bench.loopback.fixture import WORLD, Case, Loopback
 from jax_autooverlap.bench.loopback.programs import engine_program, fused_program, gemm_program
 
 __all__ = ["WORLD", "Case", "Loopback", "fused_program", "engine_program", "gemm_program",
-           "kernel_configs", "bench_case", "trace_case", "main"]
+           "kernel_configs", "fused_variants", "variant_name", "bench_case", "trace_case", "main"]
