@@ -254,7 +254,10 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
   op, cfg, world, (m, k, n) = entry
   ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(jnp.bfloat16), cfg, m, k, n, world,
              return_gathered=False, op=op)
-  assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n}k16" in ptx, "not the tile's wgmma"
+  # warps stacked along M (16 rows each), the rest of them split N: 64x256 on 8 warps is two
+  # warpgroups of m64n128
+  warps_n = cfg.num_warps // min(cfg.num_warps, cfg.block_m // 16)
+  assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n // warps_n}k16" in ptx, "not the tile's wgmma"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)

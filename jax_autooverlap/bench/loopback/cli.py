@@ -91,6 +91,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants),
   ours_tl (the fastest on the tl engine), engine_alone (the Gluon engine's GEMM alone with the
   tiles of the fastest Gluon variant)."""
+  import jax
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
@@ -101,9 +102,14 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
     if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n) not in engine_tiles:
       tiles = (cfg.block_m, cfg.block_n)
       engine_tiles[tiles] = f"engine_alone-{tiles[0]}x{tiles[1]}"
-      contestants[engine_tiles[tiles]] = (
-          engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms), lb.gemm_args(),
-          ("gluon_gemm_kernel",))
+      program = engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms)
+      try:
+        jax.block_until_ready(program(*lb.gemm_args()))
+      except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+        log(f"{case.op} {case.label} {engine_tiles[tiles]} failed: {type(e).__name__}: "
+            f"{str(e)[:400]}")
+        continue
+      contestants[engine_tiles[tiles]] = (program, lb.gemm_args(), ("gluon_gemm_kernel",))
   for name, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
     try:
