@@ -8,6 +8,8 @@
 #   launch-cost           python -m jax_autooverlap.bench.launch_cost (host cost of a launch)
 #   tests-loopback | tests-gluon_gemm   one-GPU tests: fused kernels in loopback, the Gluon engine's GEMM
 #   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
+#   shapes                python -m jax_autooverlap.bench shapes --loopback (the LLM shape list;
+#                         SHAPES_ARGS, split like BENCH_ARGS: filters, rounds; its table last)
 #   engine                python -m jax_autooverlap.bench.engine (one GPU; BENCH_ARGS)
 #   ncu-engine            bench/ncu_engine.py: hardware counters, engine vs cuBLAS (BENCH_ARGS)
 #   first-call            tests/gpu_two_process.py --scenario first_call --parallel: groups of WORLDS
@@ -31,6 +33,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   env | grep -E "NCCL|NVSHMEM|TORCH_SYMM|XLA" || true
 } 2>&1 | tee "$OUT/machine.log"
 eval "test_args=(${TEST_ARGS:-})" && eval "bench_args=(${BENCH_ARGS:-})" || exit 2
+eval "shapes_args=(${SHAPES_ARGS:-})" || exit 2
 rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
@@ -51,6 +54,9 @@ for step in "$@"; do
     loopback-ag|loopback-rs)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/$step.log" ;;
+    shapes)
+      timeout ${SHAPES_TIMEOUT:-${BENCH_TIMEOUT:-420}} python3 -m jax_autooverlap.bench shapes \
+        --loopback --out "$OUT" "${shapes_args[@]}" 2>&1 | tee "$OUT/shapes.log" ;;
     engine)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench.engine --out "$OUT" \
         "${bench_args[@]}" 2>&1 | tee "$OUT/engine.log" ;;

@@ -13,7 +13,10 @@ warpgroup partitions), worlds 2, 4 and 8, a large and a ragged shape; every othe
 first-call measurement may time (`candidate_configs`: the fixed candidates of each group size,
 the shipped cost models' ranked configs at the group sizes they were fit on), at its group
 size, the large shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the
-benchmarks' configs); the timeline builds (trace=True); the loopback set-up kernel.
+benchmarks' configs); the timeline builds (trace=True); the loopback set-up kernel; and every
+config that an entry of the benchmark's shape list selects for small shapes
+(select.small_shape_configs: narrower tiles on both engines, split-K on tl), at the first
+entry that selects it.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -37,13 +40,15 @@ SHAPES = {"ag": {"large": (2048, 8192, 4096), "ragged": (300, 1024, 640)},
 GEMM_SHAPES = {"large": (4096, 8192, 4096), "ragged": (1000, 1024, 1000)}
 # the engine benchmark's configs (bench/engine.py CONFIGS), on the Gluon engine
 GEMM_CONFIGS = (dict(block_m=128, block_n=256, num_stages=3),
-                dict(block_m=128, block_n=128, num_stages=4))
+                dict(block_m=128, block_n=128, num_stages=4),
+                dict(block_m=64, block_n=256, num_warps=4, num_stages=3),
+                dict(block_m=64, block_n=128, num_warps=4, num_stages=3))
 
 
 def _cfg_name(cfg) -> str:
   return (f"{cfg.engine}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-g{cfg.group_m}"
           f"-w{cfg.num_warps}-s{cfg.num_stages}-c{cfg.chunks}-m{cfg.num_comm}"
-          + ("-wg" if cfg.wg_partitions else ""))
+          + ("-wg" if cfg.wg_partitions else "") + (f"-k{cfg.split_k}" if cfg.split_k > 1 else ""))
 
 
 def tuner_configs(op: str) -> list:
@@ -93,6 +98,37 @@ def candidate_configs() -> list:
   return sorted(out, key=str)
 
 
+def list_configs() -> list:
+  """(op, KernelConfig, world, local shape (rows of a[rows, K], K, N)) of every first-call
+  candidate that an entry of the shape list (jax_autooverlap/bench/data/llm_shapes.json) adds
+  for small shapes (select.small_shape_configs: narrower tiles on both engines, split-K on tl;
+  as select.first_call_candidates proposes them on sm_90 for bf16, with the H200 model and
+  without one), at the first entry that selects it: what the compile tests check."""
+  import jax.numpy as jnp
+  from jax_autooverlap.bench import shapes
+  from jax_autooverlap.tuning import model as cost_model
+  from jax_autooverlap.tuning import select
+  bf16 = jnp.bfloat16
+  out, seen = [], set()
+  for e in shapes.load():
+    case = e.case()
+    w, (m, k, n) = case.world, case.local_gemm
+    rows = m // w
+    sizes = (rows, k, n) if e.op == "ag" else (m, k, n)
+    if select.unsupported(rows, k, n, bf16, bf16, select.default_kernel(bf16)):
+      continue
+    for model in (None, cost_model.load("NVIDIA H200", w, bf16)):
+      fixed = set(select.default_candidates(e.op, w, bf16, select.GLUON_CAPABILITY))
+      cands, _ = select.first_call_candidates(e.op, model, w, sizes, rows, bf16, bf16,
+                                              select.GLUON_CAPABILITY)
+      for cfg in cands:
+        small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1
+        if small and cfg not in fixed and (e.op, cfg, w) not in seen:
+          seen.add((e.op, cfg, w))
+          out.append((e.op, cfg, w, case.a_shape + (case.b_shape[1],)))
+  return out
+
+
 def cases():
   """(name, function, argument specs) of every kernel launch to dump."""
   import jax
@@ -134,6 +170,11 @@ def cases():
     yield name, *fused(op, dtype, cfg, world, SHAPES[op]["large"])
 
   bf16 = jnp.dtype(jnp.bfloat16)
+  for op, cfg, world, shape in list_configs():
+    extra = dict(return_gathered=False) if op == "ag" else {}
+    yield (f"{op}-bfloat16-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
+           *fused(op, bf16, cfg, world, shape, **extra))
+
   for dtype in (jnp.bfloat16, jnp.float16):
     dt = jnp.dtype(dtype)
     for fields in GEMM_CONFIGS:
@@ -160,8 +201,11 @@ def cases():
            *fused("rs", bf16, cfg, 2, SHAPES["rs"]["large"], gluon.launch_gemm_rs, trace=True))
 
   from jax_autooverlap.bench import loopback as lb
-  table = spec((2 * (lb.WORLD + 1),), np.uint32)
-  yield "loopback-arm", lambda t: lb._arm(t, compute_capability=90), (table,)
+  from jax_autooverlap.bench.loopback import programs
+  for world in WORLDS:  # the set-up kernel of each loopback group size
+    table = spec((2 * (world + 1),), np.uint32)
+    yield ("loopback-arm" + (f"-world{world}" if world != lb.WORLD else ""),
+           lambda t, world=world: programs._arm(t, world, compute_capability=90), (table,))
 
 
 def _kernels():

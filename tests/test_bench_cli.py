@@ -17,12 +17,13 @@ def test_help_lists_every_command_and_every_option(capsys):
   assert bench.main(["--help"]) == 0
   out = capsys.readouterr().out
   assert out.startswith("usage:")
-  for command in ("{ag,rs} [options]", "{ag,rs} --loopback [options]", "model [options]",
-                  "calibrate [options]"):
+  for command in ("{ag,rs} [options]", "{ag,rs} --loopback [options]",
+                  "shapes --loopback [options]", "model [options]", "calibrate [options]"):
     assert f"python -m jax_autooverlap.bench {command}" in out
   parsers = bench.parsers()
   assert [p.prog for p in parsers] == ["python -m jax_autooverlap.bench"] * 2 + [
-      "python -m jax_autooverlap.bench model", "python -m jax_autooverlap.bench calibrate"]
+      "python -m jax_autooverlap.bench shapes", "python -m jax_autooverlap.bench model",
+      "python -m jax_autooverlap.bench calibrate"]
   for parser in parsers:
     options = _options(parser)
     assert options
@@ -41,6 +42,7 @@ def test_no_command_prints_the_usage_and_fails(capsys):
 @pytest.mark.parametrize("argv,prog", [
     (["ag", "--help"], "usage: python -m jax_autooverlap.bench [-h] [--shapes"),
     (["rs", "--loopback", "--help"], "usage: python -m jax_autooverlap.bench [-h] --loopback"),
+    (["shapes", "--loopback", "--help"], "usage: python -m jax_autooverlap.bench shapes"),
     (["model", "--help"], "usage: python -m jax_autooverlap.bench model"),
     (["calibrate", "--help"], "usage: python -m jax_autooverlap.bench calibrate"),
 ])

@@ -390,6 +390,66 @@ def test_gemm_check_shapes_are_not_calibration_points():
                                               "qwen2-72b"}
 
 
+def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
+  """For a small shape the first call times two of the usual candidates and the narrower tiles
+  on both engines (sm_90, 16-bit) and split-K on tl; off sm_90 the tl ones only; large shapes
+  and 32-bit operands none of them."""
+  sizes = (16, 4096, 768)  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: 16 rows per source
+  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
+  usual = select.default_candidates("ag", 8, BF16, "9.0")
+  assert got[:2] == usual[:2]
+  small = got[2:]
+  assert {(c.engine, c.block_m, c.block_n) for c in small if c.split_k == 1} == {
+      (e, bm, bn) for e in ("tl", "gluon") for bm, bn in select.SMALL_TILES}
+  assert [c.engine for c in small if c.split_k > 1] == ["tl"]
+  assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
+  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
+  assert {c.engine for c in got} == {"tl"} and len(got) > 2
+  large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
+                                          "9.0")
+  assert large == select.default_candidates("ag", 2, BF16, "9.0")
+  f32, _ = select.first_call_candidates("ag", None, 8, sizes, 16, np.float32, np.float32, "9.0")
+  assert all(c.split_k == 1 and c.block_n == select.default_kernel(np.float32).block_n
+             for c in f32)
+
+
+def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
+  """Where the default tiles give fewer than two waves: 128x128, 64x256, 64x128 per engine
+  (a warpgroup per 64 rows), and on tl split-K on the smallest tile whose tiles fit the
+  split counters (64); none for large shapes or 32-bit operands."""
+  base = KernelConfig()
+  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
+  got = select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132)
+  assert [(c.engine, c.block_m, c.block_n, c.num_warps, c.split_k) for c in got] == [
+      ("tl", 128, 128, 8, 1), ("tl", 64, 256, 8, 1), ("tl", 64, 128, 4, 1),
+      ("gluon", 128, 128, 8, 1), ("gluon", 64, 256, 4, 1), ("gluon", 64, 128, 4, 1),
+      ("tl", 64, 128, 4, 2)]  # 48 tiles x 2 parts (x 3 would pass the 132 SMs)
+  assert all(select.unsupported(16, 4096, 768, BF16, BF16, c) is None for c in got)
+  for c in got:
+    tiles = select.fused_tiles(8, 16, 768, c)
+    assert select.split_k_unsupported(c, tiles, 4096) is None and tiles * c.split_k <= 132
+  assert select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132,
+                                    ("tl",))[-1].split_k == 2
+  # 8192 rows at TP = 2 (2 x 32 x 12 = 768 tiles): large
+  assert select.small_shape_configs("ag", 2, 4096, 4096, 3072, BF16, BF16, base, 132) == []
+  assert select.small_shape_configs("ag", 8, 16, 4096, 768, np.float32, np.float32,
+                                    select.default_kernel(np.float32), 132) == []
+
+
+def test_split_k_limits_and_the_planner_refuses_what_does_not_fit():
+  cfg = KernelConfig(block_m=64, block_n=128, num_warps=4, split_k=4)
+  assert select.split_k_unsupported(cfg, 64, 4096) is None
+  assert select.split_k_unsupported(cfg, 65, 4096) == (
+      "split_k=4 takes at most 64 output tiles per call, this shape has 65")
+  assert select.split_k_unsupported(cfg, 8, 192) == "split_k=4 exceeds the 3 k-blocks of K=192"
+  assert select.split_k_unsupported(KernelConfig(), 10_000, 64) is None
+  # an explicit split config on a shape with too many tiles: unfused, with the reason
+  v = select.choose_ag(ao.OverlapConfig(kernel=cfg), H200, 2, 4096, 4096, 4096, BF16, BF16)
+  assert v.kernel is None and v.reason.code == "unsupported_shape" and "split_k=4" in v.reason
+  v = select.choose_ag(ao.OverlapConfig(kernel=cfg), H200, 8, 16, 4096, 768, BF16, BF16)
+  assert v.kernel == cfg and v.source == "explicit"
+
+
 def test_fit_reads_only_tl_kernel_records(tmp_path):
   """The model describes the tl kernels: a benchmark file whose best fused config ran on the
   Gluon engine contributes its unfused and GEMM records, not that fused time."""

@@ -21,10 +21,22 @@ def test_engine_is_validated_with_what_the_gluon_kernels_need():
   assert KernelConfig(engine="gluon").engine == "gluon"
   with pytest.raises(ValueError, match="engine='cuda' is not one of"):
     KernelConfig(engine="cuda")
-  with pytest.raises(ValueError, match="block_m=64 must be 128 for engine='gluon'"):
-    KernelConfig(engine="gluon", block_m=64)
-  with pytest.raises(ValueError, match="num_warps=4 must be 8 for engine='gluon'"):
+  with pytest.raises(ValueError, match="block_m=32 must be 64 or 128 for engine='gluon'"):
+    KernelConfig(engine="gluon", block_m=32, num_warps=4)
+  with pytest.raises(ValueError, match="num_warps=4 must be block_m / 16 for engine='gluon'"):
     KernelConfig(engine="gluon", num_warps=4)
+  with pytest.raises(ValueError, match="num_warps=8 must be block_m / 16"):
+    KernelConfig(engine="gluon", block_m=64)
+  # 64-row tiles: one consumer warpgroup; no partition per warpgroup then
+  assert KernelConfig(engine="gluon", block_m=64, num_warps=4).num_warps == 4
+  with pytest.raises(ValueError, match="wg_partitions=True needs engine='gluon' and block_m=128"):
+    KernelConfig(engine="gluon", block_m=64, num_warps=4, wg_partitions=True)
+  # split-K is the tl engine's
+  assert KernelConfig(split_k=4).split_k == 4
+  with pytest.raises(ValueError, match="split_k=2 needs engine='tl'"):
+    KernelConfig(engine="gluon", split_k=2)
+  with pytest.raises(ValueError, match="split_k=0 must be a positive int"):
+    KernelConfig(split_k=0)
   with pytest.raises(ValueError, match="num_stages=1 must be >= 2"):
     KernelConfig(engine="gluon", num_stages=1)
   with pytest.raises(ValueError, match="block_n=512"):
@@ -165,3 +177,35 @@ def test_no_environment_variable_reaches_a_kernel():
     for node in ast.walk(ast.parse(path.read_text())):
       name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
       assert name not in ("environ", "getenv", "putenv"), f"{path.name}:{node.lineno} reads {name}"
+
+
+def test_gluon_push_descriptors_per_tile_only_where_a_cta_pushes_fewer_tiles_than_peers(
+    monkeypatch):
+  """backends/gluon.py: a push descriptor per peer and CTA (~0.7 us each, up front) unless a
+  pushing CTA pushes fewer tiles (RS) or units (AG mover) than it has peers; never in a group
+  of two (its kernels are the ones measured so far)."""
+  from jax_autooverlap.backends import gluon
+  calls = []
+
+  def triton_call(*args, **kw):
+    calls.append(kw)
+    return tuple(range(len(kw["out_type"])))
+  monkeypatch.setattr(gluon, "import_jax_triton", lambda: SimpleNamespace(triton_call=triton_call))
+  kw = dict(out_dtype=bf16, timeout_s=1.0, num_sms=132, compute_capability=90)
+  cfg = KernelConfig(engine="gluon")
+  spec = lambda *s: jax.ShapeDtypeStruct(s, bf16)
+  # RS, 16 output rows per owner at TP = 8, N = 4096: 7 x 16 remote tiles over 128 CTAs
+  gluon.launch_gemm_rs(spec(128, 512), spec(512, 4096), "row", "rank", world=8, kernel=cfg, **kw)
+  # the same GEMM at TP = 2: one peer
+  gluon.launch_gemm_rs(spec(128, 512), spec(512, 4096), "row", "rank", world=2, kernel=cfg, **kw)
+  # RS with 8192 rows at TP = 8: 7 x 16 x 16 remote tiles over 132 CTAs
+  gluon.launch_gemm_rs(spec(8192, 512), spec(512, 4096), "row", "rank", world=8, kernel=cfg,
+                       **kw)
+  assert [c["PUSH_DESC_PER_TILE"] for c in calls] == [True, False, False]
+  calls.clear()
+  # AG, a 16-row shard, K = 8192 (16 column slices): 7 x 16 units over 64 movers, over 8
+  for movers, world in ((64, 8), (8, 8), (64, 2)):
+    gluon.launch_ag_gemm(spec(16, 8192), spec(8192, 1280), "row", "rank", world=world,
+                         kernel=KernelConfig(engine="gluon", num_comm=movers),
+                         return_gathered=False, **kw)
+  assert [c["PUSH_DESC_PER_UNIT"] for c in calls] == [True, False, False]

@@ -1,10 +1,11 @@
 """Fused kernels in loopback on ONE GPU (marked gpu; skipped without an NVIDIA GPU).
 
-Rank 0 of a group of two whose peer is a second buffer on the same GPU
-(bench/loopback.py): the output must match the unfused computation, what
-rank 0 pushed into the peer's buffer must match what the peer needs, and a
+Rank 0 of a group of two, four or eight whose peers are buffers on the same
+GPU (bench/loopback/): the output must match the unfused computation, what
+rank 0 pushed into each peer's buffer must match what that peer needs, and a
 second call (other parity slot) must give bit-identical results.  Every
-engine the backend has, on shapes with full and ragged tiles.
+engine the backend has, on shapes with full and ragged tiles, and on
+per-rank shapes of tensor parallelism over 4 and 8 GPUs (bench/data/llm_shapes.json).
 """
 import dataclasses
 
@@ -55,11 +56,144 @@ def test_loopback_ag_returns_the_gathered_shards(engine, shape):
   cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
   program = lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
                              return_gathered=True)
-  want = np.concatenate([np.asarray(loop.a), np.asarray(loop.peer)])
+  want = np.asarray(loop.gathered())
   for _ in range(2):
     _, gathered = program(*loop.fused_args())
     check_errors()
     np.testing.assert_array_equal(np.asarray(gathered), want)
+
+
+# Global M x K x N of the list's projections (bench/data/llm_shapes.json) whose per-rank GEMMs
+# at TP = 4 and 8 are narrow (Q/K/V, O), small-K (O, down), tiny-M (128 tokens: a shard of
+# 16 rows at TP = 8) or wide (gate/up).
+GROUP_SHAPES = {"ag": [(8192, 4096, 6144),      # Llama-3-8B Q/K/V, 8k tokens
+                       (128, 8192, 10240),      # Llama-3-70B Q/K/V, M = 128
+                       (1024, 8192, 57344)],    # Llama-3-70B gate/up, M = 1024
+                "rs": [(8192, 4096, 4096),      # Llama-3-8B O, 8k tokens (K = 512 at TP = 8)
+                       (128, 28672, 8192),      # Llama-3-70B down, M = 128
+                       (4096, 6144, 6144)]}     # Mixtral-8x22B O, 4k tokens
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("world", [4, 8], ids=["w4", "w8"])
+@pytest.mark.parametrize("op_shape", [(op, s) for op in GROUP_SHAPES for s in GROUP_SHAPES[op]],
+                         ids=lambda x: f"{x[0]}-{'x'.join(map(str, x[1]))}")
+def test_loopback_in_groups_of_4_and_8_matches_unfused(engine, world, op_shape):
+  """Rank 0 of a group of `world`: its output (poisoned before the call: every element must be
+  written) against the unfused result on fresh random inputs, its push into each of the
+  world - 1 peers' buffers, and a bit-identical second call."""
+  from jax_autooverlap.runtime import cuda
+  op, (m, k, n) = op_shape
+  case = lb.Case(op, m, k, n, world=world)
+  loop = lb.Loopback(case, GPUS[0], seed=m + k + n + world)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
+  program = lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id), poison=True)
+  res = loop.check(program)
+  assert res["rel_err"] <= 2e-2, res
+  assert res["push_rel_err"] <= (0.0 if op == "ag" else 1e-2), res
+  assert res["bit_identical_repeat"], res
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("world", [4, 8], ids=["w4", "w8"])
+def test_loopback_ag_in_groups_returns_every_gathered_shard(engine, world):
+  """With return_gathered in a group of `world`: own shard first, then sources 1 .. world - 1,
+  bit for bit, in both parity slots."""
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import check_errors
+  case = lb.Case("ag", 1024, 4096, 6144, world=world)
+  loop = lb.Loopback(case, GPUS[0], seed=world)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
+  program = lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
+                             return_gathered=True, poison=True)
+  want = np.asarray(loop.gathered())
+  for _ in range(2):
+    _, gathered = program(*loop.fused_args())
+    check_errors()
+    np.testing.assert_array_equal(np.asarray(gathered), want)
+
+
+@pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
+@pytest.mark.parametrize("world", [4, 8], ids=["w4", "w8"])
+def test_gluon_rs_with_warpgroup_partitions_in_groups_matches_unfused(world):
+  from jax_autooverlap.runtime import cuda
+  case = lb.Case("rs", 8192, 4096, 4096, world=world)
+  loop = lb.Loopback(case, GPUS[0], seed=world + 3)
+  cfg = dataclasses.replace(lb.kernel_configs(case, GPUS[0].device_kind, ["gluon"])["gluon"],
+                            wg_partitions=True)
+  res = loop.check(lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
+                                    poison=True))
+  assert res["rel_err"] <= 2e-2 and res["push_rel_err"] <= 1e-2, res
+  assert res["bit_identical_repeat"], res
+
+
+@pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
+@pytest.mark.parametrize("world", [4, 8], ids=["w4", "w8"])
+@pytest.mark.parametrize("op,shape,movers", [("ag", (128, 8192, 10240), 64),
+                                             ("rs", (128, 28672, 8192), 8)],
+                         ids=["ag-128x8192x10240-m64", "rs-128x28672x8192"])
+def test_gluon_push_descriptors_made_per_tile_match_unfused(op, shape, movers, world):
+  """Small shards in groups of 4 and 8, where a pushing CTA pushes fewer tiles (RS) or units
+  (AG's mover) than it has peers: a push descriptor made per tile, at the push
+  (backends/gluon.py _fewer_than_peers), rewritten only after the stores that used it."""
+  from jax_autooverlap.backends import gluon
+  from jax_autooverlap.backends.launch import ag_grid, rs_grid
+  from jax_autooverlap.runtime import cuda
+  case = lb.Case(op, *shape, world=world)
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  cfg = dataclasses.replace(lb.kernel_configs(case, GPUS[0].device_kind, ["gluon"])["gluon"],
+                            num_comm=movers)
+  rows, k, n = case.a_shape[0], case.a_shape[1], case.b_shape[1]
+  if op == "ag":
+    tm, _, num_comm, _ = ag_grid(rows, n, world, cfg, sms)
+    assert gluon._fewer_than_peers(gluon._push_units(k, world, tm), num_comm, world)
+  else:
+    _, tm, tn, ctas = rs_grid(rows, n, world, cfg, sms)
+    assert gluon._fewer_than_peers((world - 1) * tm * tn, ctas, world)
+  loop = lb.Loopback(case, GPUS[0], seed=world + movers)
+  res = loop.check(lb.fused_program(case, cfg, sms, poison=True))
+  assert res["rel_err"] <= 2e-2, res
+  assert res["push_rel_err"] <= (0.0 if op == "ag" else 1e-2), res
+  assert res["bit_identical_repeat"], res
+  if op == "ag":  # the gathered copy too
+    program = lb.fused_program(case, cfg, sms, return_gathered=True, poison=True)
+    _, gathered = program(*loop.fused_args())
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(loop.gathered()))
+
+
+def _small_variants():
+  """(entry label, global case, variant name) of every variant the shape list's entries add for
+  small shapes (narrower tiles on both engines, split-K on tl: bench/loopback/cli.py
+  fused_variants), at the first entry that adds it, groups of 8 first."""
+  from jax_autooverlap.bench import shapes
+  from jax_autooverlap.runtime import cuda
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  out, seen = [], set()
+  for e in sorted(shapes.load(), key=lambda e: -e.world):
+    case = e.case()
+    for name, cfg in lb.fused_variants(case, GPUS[0].device_kind, ENGINES, sms).items():
+      if name in ("tl", "gluon", "gluon_wg") or (e.op, cfg) in seen:
+        continue
+      seen.add((e.op, cfg))
+      out.append((e.label, case, name))
+  return out
+
+
+@pytest.mark.parametrize("label_case_name", _small_variants(), ids=lambda x: f"{x[0]}-{x[2]}")
+def test_small_shape_variants_match_unfused(label_case_name):
+  """Every small-shape config of the list (64-row Gluon tiles, narrower tl tiles, split-K) as
+  rank 0 of its entry's group: output (poisoned first) against the unfused result on fresh
+  random inputs, pushes into every peer, a bit-identical second call (split-K sums its parts
+  in a fixed order)."""
+  from jax_autooverlap.runtime import cuda
+  label, case, name = label_case_name
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  cfg = lb.fused_variants(case, GPUS[0].device_kind, ENGINES, sms)[name]
+  loop = lb.Loopback(case, GPUS[0], seed=case.m + case.k + case.n + cfg.split_k)
+  res = loop.check(lb.fused_program(case, cfg, sms, poison=True))
+  assert res["rel_err"] <= 2e-2, res
+  assert res["push_rel_err"] <= (0.0 if case.op == "ag" else 1e-2), res
+  assert res["bit_identical_repeat"], res
 
 
 def test_loopback_benchmark_writes_records(tmp_path):
@@ -74,6 +208,18 @@ def test_loopback_benchmark_writes_records(tmp_path):
   for r in records:
     assert r["mode"] == "loopback" and r["world_size"] == 2 and r["median_ms"] > 0
     assert (r["m"], r["k"], r["n"]) == (1024, 2048, 1024)
+
+
+def test_loopback_benchmark_in_a_group_of_8_writes_its_world(tmp_path):
+  rc = lb.main(["ag", "--loopback", "--world", "8", "--shapes", "1024x2048x2048", "--rounds", "2",
+                "--calls", "3", "--out", str(tmp_path)])
+  assert rc == 0
+  (path,) = tmp_path.glob("*-ag-w8-loopback.json")
+  import json
+  records = json.loads(path.read_text())
+  assert {"gemm_alone", "ours", "ours_tl"} <= {r["impl"] for r in records}
+  for r in records:
+    assert r["world_size"] == 8 and r["local_gemm"] == [1024, 2048, 256]
 
 
 @pytest.mark.skipif("gluon" not in ENGINES, reason="the timeline is the Gluon kernels'")

@@ -28,7 +28,7 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
-from ptx_dump import candidate_configs, tuner_configs  # noqa: E402
+from ptx_dump import candidate_configs, list_configs, tuner_configs  # noqa: E402
 
 
 def _tuner_configs(op):
@@ -44,7 +44,8 @@ _ID = lambda dc: (f"{dc[0]}-{dc[1].engine}-{dc[1].block_m}x{dc[1].block_n}x{dc[1
 def _check_engine(ptx, cfg):
   if cfg.engine == "gluon":
     assert "setmaxnreg" in ptx, "Gluon kernel lost its warp specialisation (register reallocation)"
-    assert ".reqntid 384" in ptx, "Gluon kernel: 8 consumer warps + 1 worker warp group expected"
+    threads = (cfg.num_warps + 4) * 32  # a consumer warpgroup per 64 rows + 1 worker warp group
+    assert f".reqntid {threads}" in ptx, f"Gluon kernel: {threads} threads expected"
     assert "%clock64" not in ptx, "the timeline (kernels/gluon_trace.py) is built in"
   else:
     assert "setmaxnreg" not in ptx
@@ -157,10 +158,12 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
 def _gluon_program(kind, m, k, n, **launch):
   """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm
   (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2, this GPU's
-  operands [m, k] and [k, n]); launch: further launcher arguments."""
+  operands [m, k] and [k, n]), with _64: 64-row tiles; launch: further launcher arguments."""
   from jax_autooverlap.backends import gluon
   bf16 = jnp.dtype(jnp.bfloat16)
-  kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"))
+  rows = dict(block_m=64, num_warps=4) if kind.endswith("_64") else {}
+  kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"), **rows)
+  kind = kind.removesuffix("_64")
   common = dict(kernel=kernel, out_dtype=bf16, num_sms=132, compute_capability=90, **launch)
   specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
   if kind == "gemm":
@@ -196,18 +199,21 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   assert_scratch_is_the_operand(ptx)
 
 
-@pytest.mark.parametrize("trace", [False, True], ids=["plain", "trace"])
+@pytest.mark.parametrize("trace,world", [(False, 2), (True, 2), (False, 8)],
+                         ids=["plain", "trace", "world8"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_path, op, trace):
-  """bench/loopback.py's fused program (set-up kernel + fused Gluon kernel), as the benchmark and
-  its --trace build it: trace returns (output, int64 timeline), the plain one the output only."""
+def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_path, op, trace,
+                                                             world):
+  """bench/loopback/'s fused program (set-up kernel + fused Gluon kernel), as the benchmark and
+  its --trace build it: trace returns (output, int64 timeline), the plain one the output only;
+  in a group of 8 the table has 9 address pairs."""
   from jax_autooverlap.bench import loopback as lb
-  case = lb.Case(op, 1024, 1024, 1024, dtype="bfloat16")
+  case = lb.Case(op, 1024, 1024, 1024, dtype="bfloat16", world=world)
   cfg = KernelConfig(engine="gluon")
   program = lb.fused_program(case, cfg, 132, compute_capability=90, trace=trace)
   specs = (jax.ShapeDtypeStruct(case.a_shape, jnp.bfloat16),
            jax.ShapeDtypeStruct(case.b_shape, jnp.bfloat16),
-           jax.ShapeDtypeStruct((2 * (lb.WORLD + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
+           jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
   out = jax.eval_shape(program, *specs)
   if trace:
     assert out[0].shape == case.out_shape and out[1].dtype == np.int64 and out[1].shape[1:] == (257, 4)
@@ -232,11 +238,12 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
   return run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("kind", ["gemm", "ag", "rs", "rs_wg"])
+@pytest.mark.parametrize("kind", ["gemm", "ag", "rs", "rs_wg", "gemm_64"])
 def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
-  """Every Gluon kernel, default config, a large shape: ptxas reports no spills and does not
-  serialize the wgmma for lack of registers (warning C7512), which a kernel can compile with
-  and run correctly but slowly (seen on a GEMM+RS variant, docs/NOTES.md)."""
+  """Every Gluon kernel, default config (gemm_64: the engine alone with 64-row tiles), a large
+  shape: ptxas reports no spills and does not serialize the wgmma for lack of registers
+  (warning C7512), which a kernel can compile with and run correctly but slowly (seen on a
+  GEMM+RS variant, docs/NOTES.md)."""
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program(kind, 8192, 4096, 4096))
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
@@ -254,3 +261,47 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert "setmaxnreg" in ptx and ".reqntid 384" in ptx
   assert_scratch_is_the_operand(ptx)
+
+
+@pytest.mark.parametrize("entry", list_configs(),
+                         ids=lambda e: f"{e[0]}-{e[1].engine}-{e[1].block_m}x{e[1].block_n}"
+                                       f"-k{e[1].split_k}-w{e[2]}-{'x'.join(map(str, e[3]))}")
+def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatch, tmp_path,
+                                                                      entry):
+  """Every config an entry of the benchmark's shape list selects beyond the tuner's own
+  (tests/ptx_dump.py list_configs: narrower tiles on both engines, split-K on tl), at that
+  entry's per-rank shape: the tile's wgmma, TMA, the cross-GPU protocol, split-K's GPU-scope
+  counting and L1-bypassing reads, and ptxas neither spills nor serializes the wgmma."""
+  op, cfg, world, (m, k, n) = entry
+  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(jnp.bfloat16), cfg, m, k, n, world,
+             return_gathered=False, op=op)
+  # warps stacked along M (16 rows each), the rest of them split N: 64x256 on 8 warps is two
+  # warpgroups of m64n128
+  warps_n = cfg.num_warps // min(cfg.num_warps, cfg.block_m // 16)
+  assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n // warps_n}k16" in ptx, "not the tile's wgmma"
+  assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
+  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
+  assert_scratch_is_the_operand(ptx)
+  _check_engine(ptx, cfg)
+  if cfg.split_k > 1:  # the parts' counter (and finish_call's), the partials read past L1
+    assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx
+  else:
+    assert "ld.global.cg" not in ptx
+  report = _ptxas_report(ptx, tmp_path)
+  assert "C7512" not in report and "serialized" not in report, report
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+@pytest.mark.parametrize("cfg", [KernelConfig(engine="gluon", block_m=64, block_n=128, num_warps=4),
+                                 KernelConfig(block_m=64, block_n=128, num_warps=4, split_k=3)],
+                         ids=["gluon-64x128", "tl-64x128-k3"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_small_tiles_compile_for_a_group_of_8(monkeypatch, tmp_path, op, cfg):
+  """The new kernel paths with WORLD = 8 (seven peers' descriptors and counters): a 16-row
+  shard (ag) or 16 output rows per owner (rs), as M = 128 gives at TP = 8."""
+  m = 16 if op == "ag" else 128
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(jnp.bfloat16), cfg, m, 4096, 768 if op == "ag" else 512,
+             world=8, return_gathered=(op == "ag"), op=op)
+  assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
+  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
+  _check_engine(ptx, cfg)

@@ -19,6 +19,7 @@ from jax_autooverlap.tuning.config import KernelConfig
 
 def test_local_gemm_of_each_op_is_one_gpus_share():
   ag = fixture.Case("ag", 4096, 8192, 8192)
+  assert ag.world == 2
   assert ag.local_gemm == (4096, 8192, 4096)          # gathered rows x this GPU's columns
   assert (ag.a_shape, ag.b_shape, ag.out_shape) == ((2048, 8192), (8192, 4096), (4096, 4096))
   rs = fixture.Case("rs", 16384, 8192, 28672)
@@ -27,34 +28,89 @@ def test_local_gemm_of_each_op_is_one_gpus_share():
   assert rs.piece_shape == rs.out_shape               # a peer's partial of rank 0's rows
 
 
+@pytest.mark.parametrize("world", [4, 8])
+def test_local_gemm_in_larger_groups_is_a_tp_ranks_gemm(world):
+  """Llama-3-8B at 8k tokens: Q/K/V 8192x4096x6144 gathers, O 8192x4096x4096 scatters."""
+  ag = fixture.Case("ag", 8192, 4096, 6144, world=world)
+  assert ag.local_gemm == (8192, 4096, 6144 // world)
+  assert (ag.a_shape, ag.b_shape, ag.out_shape) == ((8192 // world, 4096), (4096, 6144 // world),
+                                                    (8192, 6144 // world))
+  assert ag.piece_shape == ag.a_shape
+  rs = fixture.Case("rs", 8192, 4096, 4096, world=world)
+  assert rs.local_gemm == (8192, 4096 // world, 4096)
+  assert (rs.a_shape, rs.b_shape, rs.out_shape) == ((8192, 4096 // world), (4096 // world, 4096),
+                                                    (8192 // world, 4096))
+  assert rs.piece_shape == rs.out_shape
+
+
 def test_case_rejects_shapes_the_group_cannot_split():
   with pytest.raises(ValueError, match="n=4097 must be divisible by the group size 2"):
     fixture.Case("ag", 4096, 8192, 4097)
   with pytest.raises(ValueError, match="k=4097"):
     fixture.Case("rs", 4096, 4097, 8192)
+  with pytest.raises(ValueError, match="m=4100 must be divisible by the group size 8"):
+    fixture.Case("rs", 4100, 4096, 8192, world=8)
   with pytest.raises(ValueError, match="op='xx'"):
     fixture.Case("xx", 2, 2, 2)
+  with pytest.raises(ValueError, match="world=1"):
+    fixture.Case("ag", 2, 2, 2, world=1)
 
 
+def _pieces(case):
+  """Distinct bf16 pieces of sources 1 .. world - 1."""
+  size = int(np.prod(case.piece_shape))
+  return [np.asarray(jnp.asarray(np.arange(size, dtype=np.float32).reshape(case.piece_shape)
+                                 + 1000 * src, jnp.bfloat16)) for src in range(1, case.world)]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_rank0_workspace_holds_the_peer_piece_in_both_parity_slots(op):
-  case = fixture.Case(op, 64, 128, 96)
-  peer = np.arange(np.prod(case.piece_shape), dtype=np.float32).reshape(case.piece_shape)
-  peer = np.asarray(jnp.asarray(peer, jnp.bfloat16))
-  host = fixture.rank0_workspace(case, peer, err_address=0x7F00_1234_5678)
-  assert host.size == workspace.required_bytes(WORLD := 2, peer.nbytes)
+def test_rank0_workspace_holds_each_peers_piece_in_both_parity_slots(op, world):
+  case = fixture.Case(op, 64, 128, 96 if world == 2 else 128, world=world)
+  pieces = _pieces(case)
+  nbytes = pieces[0].nbytes
+  host = fixture.rank0_workspace(case, pieces, err_address=0x7F00_1234_5678)
+  assert host.size == workspace.required_bytes(world, nbytes) == fixture.workspace_bytes(case)
   expected = np.zeros_like(host)
   slot = workspace.ERROR_SLOT_OFFSET
   assert int(host[slot:slot + 8].view(np.uint64)[0]) == 0x7F00_1234_5678
   expected[slot:slot + 8] = host[slot:slot + 8]
-  for parity in (0, 1):
-    off = workspace.buffer_offset(WORLD) + (parity * WORLD + 1) * peer.nbytes
-    assert fixture.piece_offset(case, parity, 1) == off
-    got = host[off:off + peer.nbytes].view(peer.dtype).reshape(peer.shape)
-    np.testing.assert_array_equal(got, peer)
-    expected[off:off + peer.nbytes] = host[off:off + peer.nbytes]
+  for src, piece in enumerate(pieces, start=1):
+    for parity in (0, 1):
+      off = workspace.buffer_offset(world) + (parity * world + src) * nbytes
+      assert fixture.piece_offset(case, parity, src) == off
+      got = host[off:off + nbytes].view(piece.dtype).reshape(piece.shape)
+      np.testing.assert_array_equal(got, piece)
+      expected[off:off + nbytes] = host[off:off + nbytes]
   # epoch, counters and rank 0's own slots start at zero; the header holds the error record
   np.testing.assert_array_equal(host, expected)
+  with pytest.raises(ValueError, match=f"{world - 2} peer pieces for a group of {world}"):
+    fixture.rank0_workspace(case, pieces[1:])
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_peers_workspaces_are_disjoint_aligned_and_hold_what_kernels_address(world):
+  """The table names rank 0's workspace, then each peer's in the peers' buffer; each peer's
+  slot for rank 0's pushes (both parities) lies inside its own workspace, so no two peers'
+  pushes overlap, and every start is aligned for TMA."""
+  case = fixture.Case("rs", 1024, 2048, 768, world=world)
+  stride = fixture.peer_stride(case)
+  assert stride % fixture.PEER_ALIGN == 0 and stride >= fixture.workspace_bytes(case)
+  addrs = fixture.group_addresses(case, 0x7F00_0000_0000, 0x7E00_0000_1000)
+  assert len(addrs) == world and addrs[0] == 0x7F00_0000_0000
+  assert [a - addrs[1] for a in addrs[1:]] == [i * stride for i in range(world - 1)]
+  table = fixture.address_table(addrs)
+  assert [int(table[2 * i]) | int(table[2 * i + 1]) << 32 for i in range(world + 1)] == [*addrs, 0]
+  spans = []
+  for r in range(1, world):
+    base = (r - 1) * stride
+    for parity in (0, 1):
+      off = base + fixture.piece_offset(case, parity, 0)
+      assert off % 16 == 0
+      spans.append((off, off + fixture.piece_bytes(case)))
+      assert base <= off and off + fixture.piece_bytes(case) <= base + fixture.workspace_bytes(case)
+  spans.sort()
+  assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
 def test_address_table_is_lo_hi_pairs_then_a_zero_pair():
@@ -62,6 +118,31 @@ def test_address_table_is_lo_hi_pairs_then_a_zero_pair():
   t = fixture.address_table(addrs)
   assert t.dtype == np.uint32 and t.shape == (6,)
   assert [int(t[2 * i]) | int(t[2 * i + 1]) << 32 for i in range(3)] == [*addrs, 0]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_references_are_the_unfused_group_result(op, world):
+  """What rank 0 must compute and push: ag, the gathered rows (own shard, then sources 1 ..
+  world - 1) @ b, and its shard to every peer; rs, its rows of its partial plus every peer's
+  partial, and peer r's rows of its partial to peer r."""
+  case = fixture.Case(op, 64, 128, 64, world=world)
+  rng = np.random.default_rng(world)
+  a = rng.standard_normal(case.a_shape).astype(np.float32)
+  b = rng.standard_normal(case.b_shape).astype(np.float32)
+  peers = [rng.standard_normal(case.piece_shape).astype(np.float32) for _ in range(world - 1)]
+  out, pushes = fixture.references(case, a, b, peers)
+  assert out.shape == case.out_shape and len(pushes) == world - 1
+  if op == "ag":
+    np.testing.assert_allclose(out, np.concatenate([a, *peers]) @ b, rtol=1e-4, atol=1e-4)
+    for p in pushes:
+      np.testing.assert_array_equal(p, a)
+  else:
+    rows = case.m // world
+    partial = a @ b
+    np.testing.assert_allclose(out, partial[:rows] + sum(peers), rtol=1e-4, atol=1e-4)
+    for r, p in enumerate(pushes, start=1):
+      np.testing.assert_allclose(p, partial[r * rows:(r + 1) * rows], rtol=1e-4, atol=1e-4)
 
 
 def test_per_call_time_counts_only_the_contestants_kernels():
@@ -98,6 +179,10 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   picked = picked or select.default_kernel(jnp.bfloat16)
   for cfg in cfgs.values():
     assert (cfg.chunks, cfg.num_comm, cfg.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
+  # a group of 8: the tuner's pick for that group (no cost model there: the default)
+  cfgs = cli.kernel_configs(fixture.Case("rs", 8192, 4096, 4096, world=8), "NVIDIA H200",
+                            ["tl", "gluon"])
+  assert {e: c.block_m for e, c in cfgs.items()} == {"tl": 128, "gluon": 128}
   # float32 has no Gluon path: skipped with the tuner's reason
   assert list(cli.kernel_configs(fixture.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
                                 ["tl", "gluon"])) == ["tl"]
@@ -117,12 +202,16 @@ def test_table_and_records():
   assert row[7:10] == ["1.050", "1.250", "1.025"]
   json.dumps(records)
   records[1]["kernel"] = {"engine": "gluon", "wg_partitions": True}  # the partitioned GEMM+RS
-  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon+wg"
+  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon_wg"
+  records[1]["kernel"] = {"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 3}
+  assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "tl-64x128-k3"
 
 
 def test_parse_args_requires_loopback_flag():
   args = cli.parse_args(["ag", "--loopback", "--shapes", "8192x4096x4096", "--rounds", "3"])
   assert (args.op, args.shapes, args.rounds, args.engines) == ("ag", "8192x4096x4096", 3, "tl,gluon")
+  assert args.world == 2
+  assert cli.parse_args(["rs", "--loopback", "--world", "8"]).world == 8
   assert (args.tag, args.trace) == ("", False)
   args = cli.parse_args(["ag", "--loopback", "--tag", "_c4", "--trace"])
   assert (args.tag, args.trace) == ("_c4", True)
@@ -254,3 +343,24 @@ def test_ncu_engine_summary_reads_one_row_per_kernel_and_skips_rule_rows():
   assert [name for name, _ in got] == ["gluon_gemm_kernel", "nvjet_sm90_tst_256x128"]
   assert got[0][1] == {"Duration": "346,592", "SM Frequency": "1,607,911,102.97"}
   assert got[1][1] == {"Duration": "340,384"}
+
+
+def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
+  """What the benchmark times per case: the tuner's config on each engine, GEMM+RS's warpgroup
+  partitions, and for small shapes (fewer than two waves of 128x256 tiles) the narrower tiles
+  on both engines and split-K on tl; none of those for a large shape."""
+  small = fixture.Case("rs", 128, 4096, 4096, world=8)  # 16 output rows per owner
+  got = cli.fused_variants(small, "NVIDIA H200", ["tl", "gluon"], 132)
+  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128", "tl-64x256", "tl-64x128",
+                       "gluon-128x128", "gluon-64x256", "gluon-64x128"]
+  assert [got[n].num_warps for n in ("tl-64x256", "tl-64x128", "gluon-64x256")] == [8, 4, 4]
+  # 8 x 1 x 16 = 128 tiles of 64x128 tiles: too many for split-K's counters
+  assert all(c.split_k == 1 for c in got.values())
+  qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # 16-row shards, 768 columns
+  got = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
+  assert list(got)[-1] == "tl-64x128-k2" and got["tl-64x128-k2"].split_k == 2
+  assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
+                                 ["tl", "gluon"], 132)) == ["tl", "gluon"]
+  assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
+  assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
+      "tl-64x256-k3")

@@ -3,10 +3,11 @@
 Same arguments and outputs as the `tl` launchers in backends/triton.py, which
 hand over to these; the kernels keep the same workspace layout and protocol.
 The grid and the per-call constants follow the `tl` launchers; what differs:
-- the kernel runs num_warps = 8 warps for its consumer warpgroups plus one
-  producer warp group (jax-triton launches all of them: _compat.py, fix 6);
+- the kernel runs num_warps = block_m / 16 warps for its consumer warpgroups
+  (8 for 128-row tiles, 4 for 64-row ones) plus one worker warp group
+  (jax-triton launches all of them: _compat.py, fix 6);
 - the operand ring has kernel.num_stages stages, the consumers' tile is
-  block_m x block_n with block_m = 128 (one 64-row wgmma per warpgroup);
+  block_m x block_n, one 64-row wgmma per warpgroup;
 - AG+GEMM: the shard is pushed by a mover warp in each of the first
   kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid).
 """
@@ -37,6 +38,19 @@ def push_slice(k: int) -> int:
   return 512 if k > 512 else 64 * math.ceil(k / 64)
 
 
+def _fewer_than_peers(pushes: int, pushers: int, world: int) -> bool:
+  """Whether a pushing CTA pushes fewer tiles (units) than it has peers, on average: then it
+  makes a push descriptor per tile (~0.7 us each) instead of one per peer up front
+  (kernels/gluon_gemm_rs.py PUSH_DESC_PER_TILE, gluon_ag_gemm.py PUSH_DESC_PER_UNIT)."""
+  return math.ceil(pushes / pushers) < world - 1
+
+
+def _push_units(k: int, world: int, tm: int) -> int:
+  """The AG mover's push units (kernels/gluon_ag_gemm.py _mover): tile rows x peers x column
+  slices."""
+  return tm * (world - 1) * math.ceil(k / push_slice(k))
+
+
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
@@ -57,6 +71,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       grid=(num_ctas,), num_warps=kernel.num_warps, compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
       STAGES=kernel.num_stages, TRACE=trace,
+      PUSH_DESC_PER_UNIT=_fewer_than_peers(_push_units(k, world, tm), num_comm, world),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   result = (out, gathered) if return_gathered else out
   return (result, timeline) if trace else result
@@ -108,5 +123,6 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       compute_capability=compute_capability,
       M=m, K=k, N=n, STAGES=kernel.num_stages, TRACE=trace,
       WG_PARTS=2 if wg_partitions else 1,
+      PUSH_DESC_PER_TILE=_fewer_than_peers((world - 1) * tm * tn, num_ctas, world),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, timeline) if trace else out

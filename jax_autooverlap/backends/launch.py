@@ -6,6 +6,7 @@ import math
 
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
+from jax_autooverlap.tuning.select import split_k_unsupported
 
 
 def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
@@ -26,21 +27,38 @@ def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas:
               TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
 
 
+def partials_type(kernel: KernelConfig, tiles: int, k: int, what: str):
+  """The split-K partial tiles (kernels/split_k.py) of a launch of `tiles` output tiles with
+  K = k: fp32 [tiles * split_k * block_m * block_n], or a 4-element placeholder without
+  split-K.  Raises ValueError (naming the launcher `what`) where split-K cannot run."""
+  import jax
+  import numpy as np
+  why = split_k_unsupported(kernel, tiles, k)
+  if why:
+    raise ValueError(f"{what}: {why}")
+  if kernel.split_k == 1:
+    return jax.ShapeDtypeStruct((4,), np.float32)
+  return jax.ShapeDtypeStruct((tiles * kernel.split_k * kernel.block_m * kernel.block_n,),
+                              np.float32)
+
+
 def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
 
-  tl: the movers are CTAs of their own, which compute only after pushing; gluon: the mover is
-  a warp of a computing CTA (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
+  tl: the movers are CTAs of their own, which compute only after pushing (split-K: a work unit
+  per part of a tile); gluon: the mover is a warp of a computing CTA
+  (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
   tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
   if kernel.engine == "gluon":
     num_ctas = min(num_sms, world * tm * tn)
     return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn)
+  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn * kernel.split_k)
 
 
 def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines)."""
+  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines;
+  split-K: a work unit per part of a tile)."""
   m_out = m // world
   tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
-  return m_out, tm, tn, min(num_sms, world * tm * tn)
+  return m_out, tm, tn, min(num_sms, world * tm * tn * kernel.split_k)

@@ -17,7 +17,7 @@ from jax import lax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
+from jax_autooverlap.backends.launch import ag_grid, kernel_constants, partials_type, rs_grid
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -71,15 +71,16 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   n = b.shape[1]
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
-  out, gathered, _ = jt.triton_call(
+  out, gathered, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
       zeroed_outputs=(0, 1) if poison else (),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
+                partials_type(kernel, world * tm * tn, k, "launch_ag_gemm"),
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
-      RETURN_GATHERED=return_gathered,
+      RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return (out, gathered) if return_gathered else out
 
@@ -133,13 +134,16 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m, k = a.shape
   n = b.shape[1]
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
-  out, _ = jt.triton_call(
+  out, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
-      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), scratch_out_type(num_ctas)),
+      out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype),
+                partials_type(kernel, world * tm * tn, k, "launch_gemm_rs"),
+                scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M=m, K=k, N=n, **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
+      M=m, K=k, N=n, SPLIT_K=kernel.split_k,
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
   return out
 
 

@@ -3,6 +3,7 @@
     python -m jax_autooverlap.bench --help   (every command below and its options)
     python -m jax_autooverlap.bench ag|rs [--shapes 4096x8192x8192,...] [--out bench/results]
     python -m jax_autooverlap.bench ag|rs --loopback [...]   (one GPU: bench/loopback/)
+    python -m jax_autooverlap.bench shapes --loopback [...]   (the LLM shape list: bench/shapes.py)
     python -m jax_autooverlap.bench model [...]   (training step end to end: bench/model/)
     python -m jax_autooverlap.bench calibrate [...]   (the cost model: bench/calibrate.py)
 
@@ -250,6 +251,7 @@ AG_SWEEP = {"tl": ((4, 8), (4, 16), (8, 16), (8, 32)),
 
 USAGE = ("usage: python -m jax_autooverlap.bench {ag,rs} [options]\n"
          "       python -m jax_autooverlap.bench {ag,rs} --loopback [options]\n"
+         "       python -m jax_autooverlap.bench shapes --loopback [options]\n"
          "       python -m jax_autooverlap.bench model [options]\n"
          "       python -m jax_autooverlap.bench calibrate [options]")
 COMMANDS = """
@@ -259,8 +261,10 @@ commands:
   ag, rs             the fused op (ag: all_gather(x) @ w, rs: psum_scatter(x @ w)) against the
                      unfused program, XLA's windowed einsum and Pallas-MGPU, with the overlap
                      floor, on all local GPUs (at least 2); records its verdicts for ao.jit
-  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of two whose peer is a
-                     second buffer on the same GPU, against cuBLAS on the same local GEMM
+  ag, rs --loopback  one GPU: the fused kernel as rank 0 of a group of --world (2, 4, 8) whose
+                     peers are buffers on the same GPU, against cuBLAS on the same local GEMM
+  shapes --loopback  the same for every entry of the LLM shape list (Llama-3, Qwen2, Mixtral
+                     projections at TP = 2, 4, 8), one table
   model              a Llama-style training step: jax.jit vs XLA's overlap flags vs ao.jit
   calibrate          fit the cost model to this machine
 
@@ -302,10 +306,11 @@ def parser() -> argparse.ArgumentParser:
 
 def parsers() -> list[argparse.ArgumentParser]:
   """Every command's parser, in the order --help lists them."""
-  from jax_autooverlap.bench import calibrate
+  from jax_autooverlap.bench import calibrate, shapes
   from jax_autooverlap.bench.loopback import cli as loopback_cli
   from jax_autooverlap.bench.model import cli as model_cli
-  return [parser(), loopback_cli.parser(), model_cli.parser(), calibrate.parser()]
+  return [parser(), loopback_cli.parser(), shapes.parser(), model_cli.parser(),
+          calibrate.parser()]
 
 
 def full_help() -> str:
@@ -324,6 +329,9 @@ def main(argv=None):
   if argv[:1] == ["calibrate"]:
     from jax_autooverlap.bench import calibrate
     return calibrate.main(argv[1:])
+  if argv[:1] == ["shapes"]:
+    from jax_autooverlap.bench import shapes
+    return shapes.main(argv[1:])
   if argv[:1] == ["model"]:
     from jax_autooverlap.bench import model
     return model.main(argv[1:])

@@ -13,6 +13,8 @@ Roles (grid <= number of SMs, one CTA per program):
   rank-2, ... (the order in which peers push to us), each tile waiting
   (acquire, bounded) only for the chunk holding its rows.  The GEMM main
   loop reads A and B through TMA tensor descriptors.
+- With SPLIT_K > 1 the counter hands out parts of tiles (kernels/split_k.py):
+  the part that finishes a tile's sum last stores it.
 - The last CTA to finish zeroes this call's counters and advances the epoch
   (see runtime/workspace.py for why parity double-buffering is safe).
 No CTA ever waits for another CTA of its own GPU, so the kernel cannot
@@ -22,6 +24,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels import split_k
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
                                           table_address, wait_at_least)
 
@@ -42,13 +45,14 @@ def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
 @triton.jit
 def ag_gemm_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
-    out_ptr, gathered_ptr, scratch_ptr,  # outputs (scratch: see _compat.lean_launch)
+    out_ptr, gathered_ptr, partials_ptr, scratch_ptr,  # outputs (partials: split_k.py; scratch:
+                                                       # see _compat.lean_launch)
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
     COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
     MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr,
-    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
   pid = tl.program_id(0)
@@ -113,8 +117,9 @@ def ag_gemm_kernel(
                                      block_shape=[1, BLOCK_M, BLOCK_N])
   PER_SRC: tl.constexpr = TM * TN
   GROUP: tl.constexpr = GROUP_M * TN
-  t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  while t < WORLD * PER_SRC:
+  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  while u < WORLD * PER_SRC * SPLIT_K:
+    t = u // SPLIT_K  # the tile; part u % SPLIT_K of its k-blocks
     src = (rank + WORLD - t // PER_SRC) % WORLD
     l = t % PER_SRC
     first_m = (l // GROUP) * GROUP_M
@@ -130,10 +135,21 @@ def ag_gemm_kernel(
       a_desc = bufs_desc
       row0 += src * M_SHARD
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
-    o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                 acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
-    t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+    if SPLIT_K == 1:
+      for k in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
+                   acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+    else:
+      k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
+      for k in range(k_lo, k_hi, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      # split counters: this rank's own row of the arrival counters (split_k.py)
+      acc, last = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
+                                  my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
+      if last:
+        o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
+                     acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+    u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

@@ -11,7 +11,9 @@ group of tile rows) is bumped with release semantics at system scope.  A
 tile owned by this GPU waits (acquire, bounded) for the chunk from every
 peer, reads the partials with TMA and sums them in fixed rank order
 0..world-1, so results are bit-identical run to run whatever the arrival
-order.  No CTA waits for a CTA of its own GPU.
+order.  No CTA waits for a CTA of its own GPU.  With SPLIT_K > 1 the counter
+hands out parts of tiles (kernels/split_k.py): the part that finishes a
+tile's sum last pushes it or, for own rows, sums it with the peers'.
 
 The release of a pushed tile is deferred until the CTA has run the main
 loop of its next tile: a system-scope release waits until every earlier
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
+from jax_autooverlap.kernels import split_k
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
                                           table_address, wait_at_least)
 
@@ -51,12 +54,13 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
 @triton.jit
 def gemm_rs_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
-    out_ptr, scratch_ptr,               # outputs: [M / WORLD, N]; scratch (_compat.lean_launch)
+    out_ptr, partials_ptr, scratch_ptr,  # outputs: [M / WORLD, N]; split_k.py's partials;
+                                         # scratch (_compat.lean_launch)
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_CTAS: tl.constexpr, FLAGS_OFF: tl.constexpr,
     BUF_OFF: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
-    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
   rank = tl.load(rank_ptr)
@@ -88,42 +92,54 @@ def gemm_rs_kernel(
 
   pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
-  t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  while t < WORLD * PER_OWNER:
+  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  while u < WORLD * PER_OWNER * SPLIT_K:
+    t = u // SPLIT_K  # the tile; part u % SPLIT_K of its k-blocks
     j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     owner = (rank + 1 + j) % WORLD
     row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+    if SPLIT_K == 1:
+      for k in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      finish = True
+    else:
+      k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
+      for k in range(k_lo, k_hi, BLOCK_K):
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      # split counters: this rank's own row of the arrival counters (split_k.py)
+      acc, finish = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
+                                    my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
     if pending != 0:
       signal_add(pending_flag, 1)
       pending = tl.full([], 0, tl.int32)
     c = tm // TILES_PER_CHUNK
-    if owner != rank:
-      rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-      cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-      offs = rows[:, None] * N + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :]
-      mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
-      peer_ws = table_address(table_ptr, owner)
-      slot = (peer_ws + BUF_OFF).to(tl.pointer_type(out_dtype)) \
-          + (parity * WORLD + rank).to(tl.int64) * SLOT
-      tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
-      pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
-          + (parity * WORLD + rank) * MAX_CHUNKS + c
-      pending = tl.full([], 1, tl.int32)
-    else:
-      expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
-      total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-      for r in tl.static_range(WORLD):  # fixed rank order: deterministic sums
-        if r == rank:
-          total += acc
-        else:
-          wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
-                        TIMEOUT_NS)
-          total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-      o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))
-    t = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+    if finish:  # else another part of this tile finishes it
+      if owner != rank:
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs = (rows[:, None] * N
+                + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :])
+        mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
+        peer_ws = table_address(table_ptr, owner)
+        slot = (peer_ws + BUF_OFF).to(tl.pointer_type(out_dtype)) \
+            + (parity * WORLD + rank).to(tl.int64) * SLOT
+        tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
+        pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
+            + (parity * WORLD + rank) * MAX_CHUNKS + c
+        pending = tl.full([], 1, tl.int32)
+      else:
+        expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # fixed rank order: deterministic sums
+          if r == rank:
+            total += acc
+          else:
+            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
+                          TIMEOUT_NS)
+            total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))
+    u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   if pending != 0:
     signal_add(pending_flag, 1)
 

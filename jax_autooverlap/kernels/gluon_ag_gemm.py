@@ -71,7 +71,8 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
            M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
            TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
-           RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
+           RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
+           PUSH_DESC_PER_UNIT: gl.constexpr):
   pid = gl.program_id(0)
   NCHUNK: gl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
   SHARD: gl.constexpr = M_SHARD * K
@@ -85,14 +86,20 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     # Gather buffers of this call's parity as [src, row, col] of the peer of step i (rank + 1
     # + i, i < WORLD - 1; this rank's shard goes to index rank there), and that peer's arrival
     # counters from this rank: the address table is read once per CTA, and a descriptor
-    # (~0.7 us of the mover's start, docs/NOTES.md) is made per peer, not per rank.
+    # (~0.7 us of the mover's start, docs/NOTES.md) is made per peer, not per rank; or, where
+    # a mover pushes fewer units than there are peers (PUSH_DESC_PER_UNIT: small shards in
+    # large groups), one per unit, made at the unit.
     peer_descs = ()
+    peer_bufs = ()
     peer_flags = ()
     for i in gl.static_range(WORLD - 1):
       ws_p = table_address(table_ptr, (rank + 1 + i) % WORLD)
-      peer_bufs = (ws_p + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
-      peer_descs = peer_descs + (eng.make_desc(peer_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
-                                               [1, BOX, BOX]),)
+      bufs = (ws_p + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
+      if PUSH_DESC_PER_UNIT:
+        peer_bufs = peer_bufs + (bufs,)
+      else:
+        peer_descs = peer_descs + (eng.make_desc(bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                                 [1, BOX, BOX]),)
       peer_flags = peer_flags + ((ws_p + FLAGS_OFF).to(gl.pointer_type(gl.int32))
                                  + (parity * WORLD + rank) * MAX_CHUNKS,)
     # Push: unit u = (chunk, peer step, row tile, column slice of KS) in chunk-major order
@@ -108,7 +115,14 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
         step = (v // TILES_PER_CHUNK) % (WORLD - 1)  # to the peer rank + 1 + step
         for i in gl.static_range(WORLD - 1):
           if i == step:
-            n = copy_boxes(local_desc3, 0, peer_descs[i], rank, tm * BLOCK_M, BLOCK_M, ks * KS,
+            if PUSH_DESC_PER_UNIT:
+              # rewritten only once the stores that used it are written: the previous unit's
+              # signal_after_tma_stores waited for them
+              desc = eng.make_desc(peer_bufs[i], [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                   [1, BOX, BOX])
+            else:
+              desc = peer_descs[i]
+            n = copy_boxes(local_desc3, 0, desc, rank, tm * BLOCK_M, BLOCK_M, ks * KS,
                            gl.minimum(K, (ks + 1) * KS), mv_bufs, mv_bars, n)
             signal_after_tma_stores(peer_flags[i] + tm // TILES_PER_CHUNK)
     if RETURN_GATHERED:
@@ -216,6 +230,7 @@ def gluon_ag_gemm_kernel(
     NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
+    PUSH_DESC_PER_UNIT: gl.constexpr,
 ):
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
@@ -253,8 +268,9 @@ def gluon_ag_gemm_kernel(
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
       (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
                 M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
-                NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID)),
+                NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID,
+                PUSH_DESC_PER_UNIT)),
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
-              eng.NUM_WARPS)
+              eng.consumer_warps(BLOCK_M))

@@ -6,8 +6,9 @@ One persistent CTA per SM runs two partitions (`gl.warp_specialize`):
   memory + mbarriers), runs the kernel's hook for the tile (ag: wait for the
   rows' chunk), then TMA-loads the tile's A and B k-blocks into a STAGES-deep
   ring of shared-memory buffers, each guarded by a ready/empty mbarrier pair;
-- the consumers, the kernel's default NUM_WARPS = 8 warps (two warpgroups,
-  64 rows of the 128-row tile each): take the next tile number from the tile
+- the consumers, the kernel's default partition of consumer_warps(BLOCK_M)
+  warps (a warpgroup per 64 rows of the tile: two for the 128-row tile, one
+  for a 64-row tile; the kernel's num_warps): take the next tile number from the tile
   ring, run async `warpgroup_mma` over the k-blocks with one MMA group in
   flight (a stage is handed back to the producer once the MMA after it has
   been issued, i.e. once the MMA reading it has completed), then run the
@@ -43,7 +44,7 @@ from jax_autooverlap.kernels.gemm_rs import tile_of
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-NUM_WARPS = gl.constexpr(8)       # consumers: two warpgroups (the kernel's num_warps)
+NUM_WARPS = gl.constexpr(8)       # consumers of a 128-row tile: two warpgroups
 PRODUCER_WARPS = gl.constexpr(1)
 # The producer holds scalars (tile decode, 64-bit addresses, the bounded wait); setmaxnreg
 # gives the rest of the register file to the consumers (224 per thread with 8 + 4 warps).
@@ -57,6 +58,14 @@ def source_block(k_blocks):
   """The k-block behind whose MMA mma_tile loads its source: the 5th (by then the previous
   tile's TMA store has read the epilogue buffer), or the tile's last where it has fewer."""
   return min(SOURCE_AT, k_blocks - 1)
+
+
+@gluon.constexpr_function
+def consumer_warps(block_m):
+  """Warps of a consumer partition computing block_m rows of each tile: a warpgroup (4 warps,
+  16 rows each) per 64 rows, one m64 wgmma per warpgroup (KernelConfig: num_warps = block_m /
+  16 for the Gluon engine)."""
+  return block_m // 16
 
 
 @gluon.constexpr_function
@@ -180,9 +189,10 @@ def publish_tile(tiles, tile_ready, tile_free, j, t):
 
 
 @gluon.jit
-def next_tile(tiles, tile_ready, tile_free, j):
-  """Consumers: the j-th tile number the producer published (>= the call's tile count: done)."""
-  return take(tiles, tile_ready, tile_free, j, NUM_WARPS)
+def next_tile(tiles, tile_ready, tile_free, j, WARPS: gl.constexpr):
+  """Consumers (WARPS warps): the j-th tile number the producer published (>= the call's tile
+  count: done)."""
+  return take(tiles, tile_ready, tile_free, j, WARPS)
 
 
 @gluon.jit
@@ -312,10 +322,11 @@ def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_
   BLOCK_M: gl.constexpr = a_bufs.shape[1]
   BLOCK_K: gl.constexpr = a_bufs.shape[2]
   BLOCK_N: gl.constexpr = b_bufs.shape[2]
+  WARPS: gl.constexpr = consumer_warps(BLOCK_M)
   trace.start(trace_ptr, TRACE)
   it = 0
   j = 0
-  t = next_tile(tiles, tile_ready, tile_free, j)
+  t = next_tile(tiles, tile_ready, tile_free, j, WARPS)
   while t < WORLD * TM * TN:
     trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE)
     acc, it = mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
@@ -329,6 +340,6 @@ def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_
       tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
-    t = next_tile(tiles, tile_ready, tile_free, j)
+    t = next_tile(tiles, tile_ready, tile_free, j, WARPS)
   finish_partition()
   trace.end(trace_ptr, TRACE)

@@ -161,8 +161,9 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
               TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
               OP_ID: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
-              WG_PARTS: gl.constexpr):
-  """The consumers: one 8-warp partition for whole tiles (WG_PARTS = 1), or warpgroup WG's
+              WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr):
+  """The consumers: one partition for whole tiles (WG_PARTS = 1; a warpgroup per 64 rows of
+  the tile), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
   adds and stores its half, and pushes and releases it; a peer's chunk counter then counts
   halves).  o_desc, c_smem and part_bar are this partition's.  state: the call's (my_slots,
@@ -173,7 +174,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   ROWS: gl.constexpr = o_desc.block_type.shape[0]  # rows of each tile this partition computes
   BLOCK_M: gl.constexpr = ROWS * WG_PARTS
   ROW0: gl.constexpr = WG * ROWS
-  WARPS: gl.constexpr = eng.NUM_WARPS // WG_PARTS
+  WARPS: gl.constexpr = eng.consumer_warps(ROWS)
   TRACE_HERE: gl.constexpr = TRACE if WG == 0 else False
   BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
   out_dtype: gl.constexpr = o_desc.dtype
@@ -202,15 +203,21 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
   # counters from this rank: the address table is read here, once per CTA, not in an
   # epilogue (a load there stalled every remote tile's epilogue by ~800 cycles); the
-  # descriptors cost the CTA's first epilogue ~0.7 us each (docs/NOTES.md): one per peer.
+  # descriptors cost the CTA's first epilogue ~0.7 us each (docs/NOTES.md): one per peer,
+  # or, where a CTA pushes fewer tiles than there are peers (PUSH_DESC_PER_TILE: small shapes
+  # in large groups), one per pushed tile, made at the push.
   part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   peer_descs = ()
+  peer_slots = ()
   peer_flags = ()
   for i in gl.static_range(WORLD - 1):
     ws_r = table_address(table_ptr, (rank + 1 + i) % WORLD)
     slot = (ws_r + BUF_OFF).to(gl.pointer_type(out_dtype)) \
         + (parity * WORLD + rank).to(gl.int64) * SLOT
-    peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [ROWS, BLOCK_N]),)
+    if PUSH_DESC_PER_TILE:
+      peer_slots = peer_slots + (slot,)
+    else:
+      peer_descs = peer_descs + (eng.make_desc(slot, [M_OUT, N], [N, 1], [ROWS, BLOCK_N]),)
     peer_flags = peer_flags + ((ws_r + FLAGS_OFF).to(gl.pointer_type(gl.int32))
                                + (parity * WORLD + rank) * MAX_CHUNKS,)
   # the first peer of the fixed summation order (own partial, then peers in rank order)
@@ -232,7 +239,13 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       eng.stage_out(acc.to(out_dtype), c_smem)
       for i in gl.static_range(WORLD - 1):
         if i == step:  # owner (rank + 1 + step) % WORLD
-          eng.tma_store(peer_descs[i], [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
+          if PUSH_DESC_PER_TILE:
+            # the descriptor's memory is rewritten only once the stores that used it are
+            # written: hand_off_release's full wait, above, for the tile pushed before
+            desc = eng.make_desc(peer_slots[i], [M_OUT, N], [N, 1], [ROWS, BLOCK_N])
+          else:
+            desc = peer_descs[i]
+          eng.tma_store(desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
           pending_flag = peer_flags[i] + c
       pending = 1
     else:
@@ -285,10 +298,12 @@ def gluon_gemm_rs_kernel(
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
     BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
-    WG_PARTS: gl.constexpr,
+    WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr,
 ):
-  """WG_PARTS: 1 (one consumer partition of two warpgroups) or 2 (a partition per warpgroup,
-  KernelConfig.wg_partitions; launched with 4 warps, its default partition being warpgroup 0)."""
+  """WG_PARTS: 1 (one consumer partition: two warpgroups for BLOCK_M = 128, one for 64) or 2
+  (BLOCK_M = 128 only: a partition per warpgroup, KernelConfig.wg_partitions; launched with 4
+  warps, its default partition being warpgroup 0).  PUSH_DESC_PER_TILE: a push descriptor
+  per pushed tile instead of one per peer and CTA (backends/gluon.py chooses)."""
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -319,7 +334,7 @@ def gluon_gemm_rs_kernel(
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
                      WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS,
-                     NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1)),
+                     NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
                      FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
@@ -339,12 +354,12 @@ def gluon_gemm_rs_kernel(
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     TRACE, 0, 2)),
+                     TRACE, 0, 2, PUSH_DESC_PER_TILE)),
         (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     TRACE, 1, 2)),
+                     TRACE, 1, 2, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
                      FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
@@ -353,4 +368,4 @@ def gluon_gemm_rs_kernel(
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
-              eng.NUM_WARPS // WG_PARTS)
+              eng.consumer_warps(ROWS))

@@ -1,8 +1,8 @@
 """Loopback helper: make a fused kernel's waits on its peers succeed at once (one-GPU timing).
 
-In loopback mode (bench/loopback.py) a fused kernel runs as rank 0 of a group
-of two whose "peer" workspace is a second buffer on the same GPU.  The
-peer's data is written into rank 0's workspace once, when it is built; the
+In loopback mode (bench/loopback/) a fused kernel runs as rank 0 of a group
+of WORLD whose WORLD - 1 "peer" workspaces are buffers on the same GPU.  The
+peers' data is written into rank 0's workspace once, when it is built; the
 arrival counters, which the kernel zeroes at the end of every call, are set
 again before every call by this kernel.  The counters of both parity slots
 are set to a value above any expected count, for every source rank but 0,

@@ -51,6 +51,11 @@ class KernelConfig:
   # with and without it; every rank of a group must use the same.  AG+GEMM ignores it; the
   # engine's GEMM alone (backends/gluon.launch_gemm) refuses it.
   wg_partitions: bool = False
+  # Split-K (`tl` engine): each output tile's k-blocks in split_k parts, computed by different
+  # CTAs; the last part to finish sums them in a fixed order and finishes the tile
+  # (kernels/split_k.py).  For shapes with fewer tiles than SMs; at most
+  # runtime.workspace.MAX_CHUNKS tiles per call (tuning/select.py split_k_unsupported).
+  split_k: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -58,8 +63,11 @@ class KernelConfig:
         _positive_int("KernelConfig", f.name, getattr(self, f.name))
     if not isinstance(self.wg_partitions, bool):
       raise ValueError(f"KernelConfig: wg_partitions={self.wg_partitions!r} must be a bool")
-    if self.wg_partitions and self.engine != "gluon":
-      raise ValueError(f"KernelConfig: wg_partitions=True needs engine='gluon' "
+    if self.wg_partitions and (self.engine != "gluon" or self.block_m != 128):
+      raise ValueError(f"KernelConfig: wg_partitions=True needs engine='gluon' and block_m=128 "
+                       f"(engine={self.engine!r}, block_m={self.block_m})")
+    if self.split_k > 1 and self.engine != "tl":
+      raise ValueError(f"KernelConfig: split_k={self.split_k} needs engine='tl' "
                        f"(engine={self.engine!r})")
     if self.engine not in ENGINES:
       raise ValueError(f"KernelConfig: engine={self.engine!r} is not one of {ENGINES}")
@@ -70,10 +78,13 @@ class KernelConfig:
     if self.num_warps not in (4, 8):
       raise ValueError(f"KernelConfig: num_warps={self.num_warps} must be 4 or 8")
     if self.engine == "gluon":
-      # two consumer warpgroups of 64 rows each; one wgmma is at most 256 columns wide; the
-      # producer needs a second stage to fill while the consumers read the first
-      need = {"block_m": (self.block_m == 128, "128"), "block_n": (self.block_n <= 256, "<= 256"),
-              "num_warps": (self.num_warps == 8, "8"), "num_stages": (self.num_stages >= 2, ">= 2")}
+      # a consumer warpgroup (4 warps) per 64 rows: 128-row tiles with two, 64-row tiles with
+      # one; one wgmma is at most 256 columns wide; the producer needs a second stage to fill
+      # while the consumers read the first
+      need = {"block_m": (self.block_m in (64, 128), "64 or 128"),
+              "block_n": (self.block_n <= 256, "<= 256"),
+              "num_warps": (self.num_warps == self.block_m // 16, "block_m / 16"),
+              "num_stages": (self.num_stages >= 2, ">= 2")}
       for name, (ok, want) in need.items():
         if not ok:
           raise ValueError(f"KernelConfig: {name}={getattr(self, name)} must be {want} for "

@@ -24,6 +24,7 @@ consulted, what it predicts; ao.explain shows both.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -56,6 +57,14 @@ DEFAULT_TL = {"ag": {2: ((4, 16), (8, 16)), 4: ((4, 16), (2, 32)), 8: ((2, 16), 
 DEFAULT_GLUON = {"ag": {2: ((4, 32), (8, 64)), 4: ((4, 32), (2, 64)), 8: ((2, 32), (2, 64))},
                  "rs": {2: 4, 4: 4, 8: 2}}
 LISTED_WORLDS = (2, 4, 8)
+# Small shapes (fewer than SMALL_WAVES waves of the default tiles): autotuning and the loopback
+# benchmark also time narrower tiles (a warpgroup per 64 rows) and, on the tl engine, split-K
+# (kernels/split_k.py) where even those leave SMs idle.  The model has no tile costs for
+# them: measured only.
+SMALL_WAVES = 2
+SMALL_TILES = ((128, 128), (64, 256), (64, 128))
+SPLIT_K_MAX = 8
+NUM_SMS = 132  # H100 / H200: where a caller knows no SM count (tests/ptx_dump.py's list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +104,73 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
     return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
   return None
+
+
+def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
+  """Output tiles of one GPU's fused call: every source's (AG) or owner's (RS) shard_rows x n."""
+  return world * math.ceil(shard_rows / cfg.block_m) * math.ceil(n / cfg.block_n)
+
+
+def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
+  """Why split-K (kernels/split_k.py) cannot run a launch of `tiles` output tiles with K = k,
+  or None: its counters are the MAX_CHUNKS arrival counters of a rank's own row of the
+  workspace, and every part needs a k-block."""
+  if cfg.split_k == 1:
+    return None
+  if tiles > cost_model.MAX_CHUNKS:
+    return (f"split_k={cfg.split_k} takes at most {cost_model.MAX_CHUNKS} output tiles per "
+            f"call, this shape has {tiles}")
+  if cfg.split_k > math.ceil(k / cfg.block_k):
+    return f"split_k={cfg.split_k} exceeds the {math.ceil(k / cfg.block_k)} k-blocks of K={k}"
+  return None
+
+
+def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
+  """Gluon: a consumer warpgroup per 64 rows.  tl: 8 warps where a tile has 16K elements or
+  more (with 4, the fp32 accumulator and GEMM+RS's sum beside it spill; ptxas -v), else 4."""
+  if engine == "gluon":
+    return block_m // 16
+  return 8 if block_m * block_n >= 64 * 256 else 4
+
+
+def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dtype, out_dtype,
+                        base: KernelConfig, num_sms: int = NUM_SMS,
+                        engines=("tl", "gluon")) -> list[KernelConfig]:
+  """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
+  waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
+  K = k): per engine, the SMALL_TILES (_small_tile_warps), and on `tl` split-K over the
+  smallest tile whose tiles fit its counters.  Chunks and movers stay the base's (a shard of one row tile is one chunk).
+  Only configs that run the shape; none for 32-bit dtypes (no small-tile measurements)."""
+  if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
+    return []
+  fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c) is None
+                    and split_k_unsupported(c, fused_tiles(world, shard_rows, n, c), k) is None)
+  out = []
+  for engine in engines:
+    for bm, bn in SMALL_TILES:
+      try:
+        cfg = dataclasses.replace(base, engine=engine, block_m=bm, block_n=bn,
+                                  num_warps=_small_tile_warps(engine, bm, bn),
+                                  wg_partitions=False, split_k=1)
+      except ValueError:  # the engine does not take these tiles
+        continue
+      if cfg != base and fits(cfg):
+        out.append(cfg)
+  if "tl" in engines:
+    # the smallest tile whose tiles fit the split counters: the least fp32 partial traffic
+    # and, on a shard of few rows, the least idle MMA rows (not 128x256: its sum of the parts
+    # beside the accumulator spills)
+    for bm, bn in SMALL_TILES[::-1]:
+      cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn,
+                                num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
+                                split_k=1)
+      tiles = fused_tiles(world, shard_rows, n, cfg)
+      split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
+      cfg = dataclasses.replace(cfg, split_k=max(split, 1))
+      if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
+        out.append(cfg)
+        break
+  return out
 
 
 def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[KernelConfig]:
@@ -141,21 +217,34 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
                           dtype, out_dtype, compute_capability=None):
   """(candidates, predicted) of a first-call measurement: the fit model's fastest configs, then
   the fixed list (a derived model orders the tl ones), less what the kernel cannot run, at most
-  MAX_CANDIDATES; predicted: the model's (fused ms of the best candidate, unfused ms) or None."""
+  MAX_CANDIDATES; for a small shape (small_shape_configs: fewer than SMALL_WAVES waves of
+  tiles) the first two of those and the narrower tiles and split-K, which no model ranks;
+  predicted: the model's (fused ms of the best tl candidate, unfused ms) or None."""
   rows, k, cols = sizes
   runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None
   fixed = [c for c in default_candidates(op, world, dtype, compute_capability) if runs(c)]
   out_item = np.dtype(out_dtype).itemsize
-  if model is None:
-    return tuple(fixed[:MAX_CANDIDATES]), None
   tl = lambda configs: [c for c in configs if c.engine == "tl"]  # the model's tile costs are tl's
-  if model.extrapolated:
+  if model is None:
+    ordered = fixed
+  elif model.extrapolated:
     ordered = [c for _, c in model.rank(op, rows, k, cols, tl(fixed), out_item)]
+    ordered += [c for c in fixed if c not in ordered]
   else:
     space = [c for c in candidate_configs(op, model, dtype) if runs(c)]
     ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
-  ordered = (ordered + [c for c in fixed if c not in ordered])[:MAX_CANDIDATES]
-  ranked = model.rank(op, rows, k, cols, tl(ordered), out_item)
+    ordered += [c for c in fixed if c not in ordered]
+  engines = ("tl", "gluon") if (str(compute_capability) == GLUON_CAPABILITY
+                                and np.dtype(dtype).itemsize == 2) else ("tl",)
+  base = next(iter(tl(ordered)), default_kernel(dtype))
+  small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
+                                          model.num_sms if model else NUM_SMS, engines)
+           if c not in ordered]
+  keep = max(2, MAX_CANDIDATES - len(small)) if small else MAX_CANDIDATES
+  ordered = ordered[:keep] + small
+  if model is None:
+    return tuple(ordered), None
+  ranked = model.rank(op, rows, k, cols, [c for c in tl(ordered) if c.split_k == 1], out_item)
   predicted = (ranked[0][0], model.unfused_ms(op, rows, k, cols, out_item)) if ranked else None
   return tuple(ordered), predicted
 
@@ -206,7 +295,10 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
     return Verdict(None, Reason("unsupported_shape", "model: no kernel config it covers fits this "
                                 f"shape ({model.source})"), "model", key)
   best_ms, best = ranked[0]
-  candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES])
+  # small shapes: also the narrower tiles and split-K, which the model cannot rank
+  small = small_shape_configs(op, model.world, cfg_rows, k, cols, dtype, out_dtype, best,
+                              model.num_sms, ("tl",))
+  candidates = tuple(c for _, c in ranked[:AUTOTUNE_CANDIDATES]) + tuple(small)
   if best_ms < unfused:
     return Verdict(best, Reason("kernel", f"model: fused {best_ms:.3f} ms vs unfused "
                                 f"{unfused:.3f} ms predicted, {_describe(best, op)} "
@@ -229,7 +321,8 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
             why_not: str | None, compute_capability, props) -> Verdict:
   explicit = config.kernel
   cfg = explicit or default_kernel(dtype)
-  why_not = why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
+  why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
+             or split_k_unsupported(cfg, fused_tiles(world, shard_rows, sizes[2], cfg), sizes[1]))
   if why_not:
     return Verdict(None, Reason("unsupported_shape", why_not))
   if explicit is not None or config.impl == "triton":

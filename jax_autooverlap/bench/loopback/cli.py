@@ -26,13 +26,13 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
-  dtype = np_dtype(case.dtype)
+  dtype, w = np_dtype(case.dtype), case.world
   if case.op == "ag":
-    v = select.choose_ag(OverlapConfig(autotune=False), device_kind, WORLD, case.m // WORLD,
-                         case.k, case.n // WORLD, dtype, dtype)
+    v = select.choose_ag(OverlapConfig(autotune=False), device_kind, w, case.m // w, case.k,
+                         case.n // w, dtype, dtype)
   else:
-    v = select.choose_rs(OverlapConfig(autotune=False), device_kind, WORLD, case.m,
-                         case.k // WORLD, case.n, dtype, dtype)
+    v = select.choose_rs(OverlapConfig(autotune=False), device_kind, w, case.m, case.k // w,
+                         case.n, dtype, dtype)
   base = v.kernel or select.default_kernel(dtype)
   out = {}
   for engine in engines:
@@ -42,7 +42,7 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
       log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
     # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
-    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
+    why = select.unsupported(case.m // w, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
                              cfg)
     if why is None:
       out[engine] = cfg
@@ -58,50 +58,92 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
   return (f"gluon_{op}_gemm_kernel",) if op == "ag" else ("gluon_gemm_rs_kernel",)
 
 
+def variant_name(cfg) -> str:
+  """A fused variant's name: its engine (gluon_wg: a consumer partition per warpgroup), then
+  its tiles and split where not the default's.  cfg: a KernelConfig or its record's dict."""
+  get = cfg.get if isinstance(cfg, dict) else lambda f, d=None: getattr(cfg, f)
+  name = get("engine", "tl") + ("_wg" if get("wg_partitions", False) else "")
+  if (get("block_m", 128), get("block_n", 256)) != (128, 256):
+    name += f"-{get('block_m', 128)}x{get('block_n', 256)}"
+  return name + (f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else "")
+
+
+def fused_variants(case: Case, device_kind: str, engines, num_sms: int) -> dict:
+  """{name: KernelConfig} of the fused variants autotuning would time for this case: the
+  tuner's config on each engine, GEMM+RS on the Gluon engine with a consumer partition per
+  warpgroup too, and for small shapes the narrower tiles and split-K
+  (tuning/select.small_shape_configs)."""
+  from jax_autooverlap.tuning import select
+  configs = kernel_configs(case, device_kind, engines)
+  variants = {variant_name(c): c for c in configs.values()}
+  if case.op == "rs" and "gluon" in configs:
+    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
+  if configs:
+    dtype = np_dtype(case.dtype)
+    _, k, n = case.local_gemm
+    for cfg in select.small_shape_configs(case.op, case.world, case.m // case.world, k, n, dtype,
+                                          dtype, next(iter(configs.values())), num_sms,
+                                          tuple(configs)):
+      variants.setdefault(variant_name(cfg), cfg)
+  return variants
+
+
 def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
-  """Records of one case: gemm_alone, ours_tl, engine_alone and ours (the fastest of the fused
-  variants autotuning times: each engine, and for GEMM+RS the Gluon engine with a consumer
-  partition per warpgroup too)."""
+  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants),
+  ours_tl (the fastest on the tl engine), engine_alone (the Gluon engine's GEMM alone with the
+  tiles of the fastest Gluon variant)."""
+  import jax
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  configs = kernel_configs(case, device.device_kind, engines)
+  variants = fused_variants(case, device.device_kind, engines, num_sms)
   contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
-  if "gluon" in configs:
-    contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
-                                   ("gluon_gemm_kernel",))
-  variants = dict(configs)
-  if case.op == "rs" and "gluon" in configs:
-    variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
-  for engine, cfg in variants.items():
+  engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
+  for name, cfg in variants.items():
+    if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n) not in engine_tiles:
+      tiles = (cfg.block_m, cfg.block_n)
+      engine_tiles[tiles] = f"engine_alone-{tiles[0]}x{tiles[1]}"
+      program = engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms)
+      try:
+        jax.block_until_ready(program(*lb.gemm_args()))
+      except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+        log(f"{case.op} {case.label} {engine_tiles[tiles]} failed: {type(e).__name__}: "
+            f"{str(e)[:400]}")
+        continue
+      contestants[engine_tiles[tiles]] = (program, lb.gemm_args(), ("gluon_gemm_kernel",))
+  for name, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
     try:
-      checks[engine] = lb.check(program)
+      checks[name] = lb.check(program)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-      log(f"{case.op} {case.label} engine {engine} failed: {type(e).__name__}: {str(e)[:400]}")
+      log(f"{case.op} {case.label} {name} failed: {type(e).__name__}: {str(e)[:400]}")
       continue
-    ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
-          and checks[engine]["bit_identical_repeat"])
-    log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
-        f"{'ok' if ok else 'WRONG, not timed'}")
+    ok = (checks[name]["rel_err"] <= MAX_REL_ERR and checks[name]["push_rel_err"] <= MAX_REL_ERR
+          and checks[name]["bit_identical_repeat"])
+    log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
-      contestants[engine] = (program, lb.fused_args(),
-                             kernel_names("gluon" if engine == "gluon_wg" else engine, case.op))
+      contestants[name] = (program, lb.fused_args(), kernel_names(cfg.engine, case.op))
   with timing.ClockSampler() as clocks:
     timed = timing.time_interleaved(contestants, rounds, calls)
-  variants_timed = [e for e in variants if e in timed]
+  fastest = lambda names: min(names, key=lambda e: timed[e][0]) if names else None
+  fused = fastest([e for e in variants if e in timed])
+  tl = fastest([e for e in variants if e in timed and variants[e].engine == "tl"])
+  gluon = fastest([e for e in variants if e in timed and variants[e].engine == "gluon"])
   records = [("gemm_alone", timed["gemm_alone"], {})]
-  if "tl" in timed:
-    records.append(("ours_tl", timed["tl"], {"engine": "tl", **checks["tl"]}))
-  if "engine_alone" in timed:
-    records.append(("engine_alone", timed["engine_alone"], {"engine": "gluon"}))
-  if variants_timed:
-    best = min(variants_timed, key=lambda e: timed[e][0])
-    records.append(("ours", timed[best], {"engine": variants[best].engine, **checks[best],
-                                          "kernel": dataclasses.asdict(variants[best])}))
-  for e in variants:
-    if e != "tl" and e in timed:
-      log(f"{case.op} {case.label} engine {e}: {timed[e][0]:.4f} ms")
+  described = lambda e: {"engine": variants[e].engine, **checks[e],
+                         "kernel": dataclasses.asdict(variants[e])}
+  if tl is not None:
+    records.append(("ours_tl", timed[tl], described(tl)))
+  tiles = (variants[gluon].block_m, variants[gluon].block_n) if gluon else None
+  if engine_tiles.get(tiles) in timed:
+    records.append(("engine_alone", timed[engine_tiles[tiles]],
+                    {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}"}))
+  if fused is not None:
+    records.append(("ours", timed[fused], described(fused)))
+  for e in contestants:
+    if e in timed and e != "gemm_alone":
+      log(f"{case.op} {case.label} {e}: {timed[e][0]:.4f} ms "
+          f"({timed[e][0] / timed['gemm_alone'][0]:.3f} x cuBLAS)")
   return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
           for impl, (ms, info), extra in records]
 
@@ -118,13 +160,14 @@ def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
   cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
   if cfg is None:
     return {}, {}
-  rows = case.m // WORLD  # ag: a shard; rs: an owner's output rows
-  cols = case.n // WORLD if case.op == "ag" else case.n
+  w = case.world
+  rows = case.m // w  # ag: a shard; rs: an owner's output rows
+  cols = case.n // w if case.op == "ag" else case.n
   per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   if case.op == "ag":
     kind = lambda t: "local" if t < per_source else "peer"
   else:
-    kind = lambda t: "own" if t >= (WORLD - 1) * per_source else "remote"
+    kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
   runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
           "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
   summaries, raw = {}, {}
@@ -142,7 +185,8 @@ def format_table(op: str, records: list[dict]) -> str:
   for r in records:
     by_shape.setdefault((r["m"], r["k"], r["n"]), {})[r["impl"]] = r
   title = "AllGather+GEMM" if op == "ag" else "GEMM+ReduceScatter"
-  lines = [f"{title} loopback (one GPU, world {WORLD}), ms, device time per call (median)",
+  worlds = ",".join(sorted({str(r.get("world_size", WORLD)) for r in records}))
+  lines = [f"{title} loopback (one GPU, world {worlds}), ms, device time per call (median)",
            "  ".join(f"{h:>16}" for h in ("shape MxKxN", "local GEMM", "gemm_alone", "ours",
                                            "engine", "ours_tl", "engine_alone", "ours/gemm",
                                            "tl/gemm", "engine/gemm", "sm MHz min"))]
@@ -154,7 +198,7 @@ def format_table(op: str, records: list[dict]) -> str:
     clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
     shape = f"{m}x{k}x{n}"
     ours = impls.get("ours", {})
-    engine = ours.get("engine", "-") + ("+wg" if ours.get("kernel", {}).get("wg_partitions") else "")
+    engine = variant_name(ours["kernel"]) if "kernel" in ours else ours.get("engine", "-")
     lines.append("  ".join([f"{shape:>16}",
                             f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
                             f"{engine:>16}", f"{t:>16.4f}",
@@ -166,17 +210,20 @@ def format_table(op: str, records: list[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(
       prog="python -m jax_autooverlap.bench",
-      description="One GPU: the fused kernel as rank 0 of a group of two whose peer is a second "
-                  "buffer on the same GPU (its data and arrival counters in place), checked "
+      description="One GPU: the fused kernel as rank 0 of a group of --world GPUs whose peers "
+                  "are buffers on the same GPU (their data and arrival counters in place), checked "
                   "against the unfused result and timed (CUPTI device time, interleaved rounds) "
                   "against cuBLAS doing the same local GEMM and the Gluon engine's GEMM alone. "
                   "Writes *-loopback.json, *-engine-alone.json and a table.")
   ap.add_argument("op", choices=["ag", "rs"],
                   help="ag: all_gather(x) @ w; rs: psum_scatter(x @ w)")
   ap.add_argument("--loopback", action="store_true", required=True,
-                  help="one GPU standing in for a group of two (this mode)")
+                  help="one GPU standing in for a group of --world (this mode)")
+  ap.add_argument("--world", type=int, default=WORLD,
+                  help="group size the GPU stands in for: 2, 4, 8, ... (default: %(default)s)")
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                  help="global MxKxN of the two-GPU op, comma-separated (default: %(default)s)")
+                  help="global MxKxN of the --world-GPU op, comma-separated (default: "
+                       "%(default)s)")
   ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
   ap.add_argument("--engines", default="tl,gluon",
                   help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
@@ -201,7 +248,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype) for s in args.shapes.split(",")]
+  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
+           for s in args.shapes.split(",")]
   import jax
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
   if not gpus:
@@ -218,7 +266,7 @@ def main(argv=None) -> int:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
-                      "world_size": WORLD, "mode": "loopback", "local_gemm": list(case.local_gemm),
+                      "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
     if args.trace and "gluon" in engines:
       summaries, raw = trace_case(case, gpus[0])
@@ -228,7 +276,7 @@ def main(argv=None) -> int:
       raw_traces.update({f"{case.label}/{impl}": t for impl, t in raw.items()})
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  stem = f"{gpu}-x1-{date}-{args.op}"
+  stem = f"{gpu}-x1-{date}-{args.op}" + (f"-w{args.world}" if args.world != WORLD else "")
   path = out_dir / f"{stem}-loopback{args.tag}.json"
   if timelines:
     (out_dir / f"{stem}-timeline{args.tag}.json").write_text(json.dumps(timelines, indent=1))

@@ -1,6 +1,7 @@
-"""The loopback fixture: rank 0 of a group of two and its peer, both on one GPU, with the peer's
-data and arrival counters already in place in rank 0's workspace (what a second GPU would have
-pushed) and a second workspace absorbing rank 0's pushes."""
+"""The loopback fixture: rank 0 of a group of `world` GPUs and its world - 1 peers, all on one
+GPU.  The peers' data and arrival counters are already in place in rank 0's workspace (what
+the other GPUs would have pushed), and a workspace per peer (one device buffer, the peers'
+workspaces back to back) absorbs rank 0's pushes."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,79 +10,99 @@ import numpy as np
 
 from jax_autooverlap.bench.common import rel_err
 
-WORLD = 2
+WORLD = 2  # the default group size
+PEER_ALIGN = 4096  # each peer workspace's start in the peers' buffer (TMA needs 16 bytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One loopback measurement: global shape of the two-GPU op, and rank 0's local operands."""
+  """One loopback measurement: global shape of the `world`-GPU op, and rank 0's local operands."""
   op: str  # "ag" | "rs"
   m: int
   k: int
   n: int
   dtype: str = "bfloat16"
+  world: int = WORLD
 
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
       raise ValueError(f"op={self.op!r} must be 'ag' or 'rs'")
+    if not isinstance(self.world, int) or self.world < 2:
+      raise ValueError(f"world={self.world!r} must be an int >= 2")
     split = {"ag": ("m", "n"), "rs": ("m", "k")}[self.op]
     for name in split:
-      if getattr(self, name) % WORLD:
+      if getattr(self, name) % self.world:
         raise ValueError(f"{self.op} {self.m}x{self.k}x{self.n}: {name}={getattr(self, name)} "
-                         f"must be divisible by the group size {WORLD}")
+                         f"must be divisible by the group size {self.world}")
 
   @property
   def a_shape(self):  # rank 0's left operand
-    return (self.m // WORLD, self.k) if self.op == "ag" else (self.m, self.k // WORLD)
+    w = self.world
+    return (self.m // w, self.k) if self.op == "ag" else (self.m, self.k // w)
 
   @property
   def b_shape(self):
-    return (self.k, self.n // WORLD) if self.op == "ag" else (self.k // WORLD, self.n)
+    w = self.world
+    return (self.k, self.n // w) if self.op == "ag" else (self.k // w, self.n)
 
   @property
   def local_gemm(self):  # (M, K, N) of the GEMM one GPU computes
-    return (self.m, self.k, self.n // WORLD) if self.op == "ag" else (self.m, self.k // WORLD, self.n)
+    w = self.world
+    return (self.m, self.k, self.n // w) if self.op == "ag" else (self.m, self.k // w, self.n)
 
   @property
   def piece_shape(self):
     """What a peer places in rank 0's workspace, per source rank: a shard of `a` (ag), or a
-    partial of rank 0's output rows (rs); also what rank 0 pushes into the peer's buffer."""
-    return self.a_shape if self.op == "ag" else (self.m // WORLD, self.n)
+    partial of rank 0's output rows (rs); also what rank 0 pushes into each peer's buffer."""
+    return self.a_shape if self.op == "ag" else (self.m // self.world, self.n)
 
   @property
   def out_shape(self):
-    return (self.m, self.n // WORLD) if self.op == "ag" else (self.m // WORLD, self.n)
+    w = self.world
+    return (self.m, self.n // w) if self.op == "ag" else (self.m // w, self.n)
 
   @property
   def label(self):
     return f"{self.m}x{self.k}x{self.n}"
 
 
+def piece_bytes(case: Case) -> int:
+  return int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
+
+
 def piece_offset(case: Case, parity: int, src: int) -> int:
   """Byte offset of source rank `src`'s piece in parity slot `parity` of a workspace."""
   from jax_autooverlap.runtime import workspace
-  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
-  return workspace.buffer_offset(WORLD) + (parity * WORLD + src) * nbytes
+  return workspace.buffer_offset(case.world) + (parity * case.world + src) * piece_bytes(case)
 
 
 def workspace_bytes(case: Case) -> int:
   from jax_autooverlap.runtime import workspace
-  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
-  return workspace.required_bytes(WORLD, nbytes)
+  return workspace.required_bytes(case.world, piece_bytes(case))
 
 
-def rank0_workspace(case: Case, peer_piece: np.ndarray, err_address: int = 0) -> np.ndarray:
+def peer_stride(case: Case) -> int:
+  """Bytes from one peer's workspace to the next in the peers' buffer."""
+  return -(-workspace_bytes(case) // PEER_ALIGN) * PEER_ALIGN
+
+
+def rank0_workspace(case: Case, peer_pieces, err_address: int = 0) -> np.ndarray:
   """Host image of rank 0's workspace: zero counters (epoch 0), the error record's address in
-  the header (runtime/workspace.py), the peer's piece in both parity slots (the kernel
-  alternates between them from call to call)."""
+  the header (runtime/workspace.py), peer src's piece (peer_pieces[src - 1], src = 1 ..
+  world - 1) in its slot of both parities (the kernel alternates between them from call to
+  call)."""
   from jax_autooverlap.runtime import workspace
+  if len(peer_pieces) != case.world - 1:
+    raise ValueError(f"rank0_workspace: {len(peer_pieces)} peer pieces for a group of "
+                     f"{case.world}")
   host = np.zeros(workspace_bytes(case), np.uint8)
   slot = workspace.ERROR_SLOT_OFFSET
   host[slot:slot + 8] = np.array([err_address], np.uint64).view(np.uint8)
-  raw = np.ascontiguousarray(peer_piece).view(np.uint8).reshape(-1)
-  for parity in (0, 1):
-    off = piece_offset(case, parity, 1)
-    host[off:off + raw.size] = raw
+  for src, piece in enumerate(peer_pieces, start=1):
+    raw = np.ascontiguousarray(piece).view(np.uint8).reshape(-1)
+    for parity in (0, 1):
+      off = piece_offset(case, parity, src)
+      host[off:off + raw.size] = raw
   return host
 
 
@@ -92,6 +113,11 @@ def address_table(ws_addresses) -> np.ndarray:
   for i, a in enumerate(ws_addresses):
     table[2 * i], table[2 * i + 1] = a & 0xFFFFFFFF, a >> 32
   return table
+
+
+def group_addresses(case: Case, ws0_address: int, peers_address: int) -> list[int]:
+  """Workspace address of each rank: rank 0's own, then the peers' in their shared buffer."""
+  return [ws0_address] + [peers_address + i * peer_stride(case) for i in range(case.world - 1)]
 
 
 def np_dtype(name):
@@ -114,22 +140,26 @@ def read_workspace(ws, offset: int, shape, dtype):
   return np.asarray(read(ws))
 
 
-def references(case: Case, a, b, peer):
-  """(output, what rank 0 pushes to the peer) of the unfused computation, f32 accumulation."""
+def references(case: Case, a, b, peers):
+  """(output, [what rank 0 pushes to peer r, r = 1 .. world - 1]) of the unfused computation,
+  f32 accumulation; peers: the pieces of sources 1 .. world - 1."""
   import jax
   import jax.numpy as jnp
   f32 = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
   if case.op == "ag":
-    out = jax.jit(lambda a, b, p: f32(jnp.concatenate([a, p]), b))(a, b, peer)
-    return np.asarray(out), np.asarray(a)
-  half = case.m // WORLD
+    out = jax.jit(lambda a, b, *p: f32(jnp.concatenate([a, *p]), b))(a, b, *peers)
+    return np.asarray(out), [np.asarray(a)] * (case.world - 1)
+  rows = case.m // case.world
   partial = jax.jit(f32)(a, b)
-  out = partial[:half] + peer.astype(jnp.float32)
-  return np.asarray(out), np.asarray(partial[half:])
+  out = partial[:rows]
+  for p in peers:  # rank order, as the kernels sum
+    out = out + p.astype(jnp.float32)
+  pushes = [np.asarray(partial[r * rows:(r + 1) * rows]) for r in range(1, case.world)]
+  return np.asarray(out), pushes
 
 
 class Loopback:
-  """Rank 0 and its same-GPU peer for one case: operands, workspaces, address table."""
+  """Rank 0 and its same-GPU peers for one case: operands, workspaces, address table."""
 
   def __init__(self, case: Case, device, seed: int = 7):
     import jax
@@ -137,63 +167,74 @@ class Loopback:
     from jax_autooverlap.runtime.workspace import REGISTRY
     self.case, self.device = case, device
     dtype = np_dtype(case.dtype)
-    ka, kb, kp = jax.random.split(jax.random.key(seed), 3)
+    ka, kb, *kp = jax.random.split(jax.random.key(seed), 1 + case.world)
     put = lambda x: jax.device_put(x, device)
     self.a = put(jax.random.normal(ka, case.a_shape, np.float32).astype(dtype))
     self.b = put((jax.random.normal(kb, case.b_shape, np.float32)
                   / np.sqrt(case.b_shape[0])).astype(dtype))
-    peer = jax.random.normal(kp, case.piece_shape, np.float32)
-    if case.op == "rs":  # a partial product has the scale of one GPU's share of K
-      peer = peer * np.sqrt(0.5)
-    self.peer = put(peer.astype(dtype))
+    # a partial product of rs has the scale of one GPU's share of K
+    scale = 1.0 if case.op == "ag" else np.sqrt(1.0 / case.world)
+    self.peers = [put((jax.random.normal(key, case.piece_shape, np.float32) * scale).astype(dtype))
+                  for key in kp]
     self.err_address = REGISTRY.error_record().device_address
     self.rank = put(jnp.zeros((1,), jnp.int32))
-    self.ws0 = put(rank0_workspace(case, np.asarray(self.peer), self.err_address))
-    self.ws1 = self._zeros_ws()
-    self.table = self._table(self.ws1)
+    self.ws0 = put(rank0_workspace(case, [np.asarray(p) for p in self.peers], self.err_address))
+    self.peer_ws = self._zeros_peers()
+    self.table = self._table(self.peer_ws)
     self.checks = 0   # calls of check (each scales a by its own power of two)
 
-  def _table(self, ws1):
+  def _table(self, peer_ws):
     import jax
-    addrs = (self.ws0.unsafe_buffer_pointer(), ws1.unsafe_buffer_pointer())
+    addrs = group_addresses(self.case, self.ws0.unsafe_buffer_pointer(),
+                            peer_ws.unsafe_buffer_pointer())
     return jax.device_put(address_table(addrs), self.device)
 
   def epoch(self) -> int:
     return int(read_workspace(self.ws0, 0, (1,), np.int32)[0])
 
   def check(self, program) -> dict:
-    """Run once with a fresh peer buffer; compare the output and the push with the references,
-    then once more on the shared buffers (the result must not change).  Each check scales a by
-    its own power of two (2, 4, ...: RS's own partial stays the larger term): XLA may hand a
-    contestant the freed output buffer of the one checked before, which must then not hold the
-    right answer already."""
+    """Run once with fresh peer buffers; compare the output and the pushes into every peer with
+    the references, then once more on the shared buffers (the result must not change).  Each
+    check scales a by its own power of two (2, 4, ...: RS's own partial stays the larger term):
+    XLA may hand a contestant the freed output buffer of the one checked before, which must
+    then not hold the right answer already."""
     import jax
     from jax_autooverlap.runtime.errors import check_errors
     case = self.case
     self.checks += 1
     scale = 2.0 ** self.checks   # exact in any float format
     a = jax.jit(lambda x: x * scale)(self.a)
-    want_out, want_push = references(case, a, self.b, self.peer)
-    ws1 = self._zeros_ws()
+    want_out, want_pushes = references(case, a, self.b, self.peers)
+    peer_ws = self._zeros_peers()
     parity = self.epoch() % 2
-    got = np.asarray(program(a, self.b, self._table(ws1), self.rank))
+    got = np.asarray(program(a, self.b, self._table(peer_ws), self.rank))
     check_errors()
-    pushed = read_workspace(ws1, piece_offset(case, parity, 0), case.piece_shape, np_dtype(case.dtype))
+    push_errs = []
+    for r, want in enumerate(want_pushes, start=1):
+      off = (r - 1) * peer_stride(case) + piece_offset(case, parity, 0)
+      pushed = read_workspace(peer_ws, off, case.piece_shape, np_dtype(case.dtype))
+      push_errs.append(rel_err(pushed, want))
     again = np.asarray(program(a, self.b, self.table, self.rank))
-    return {"rel_err": rel_err(got, want_out), "push_rel_err": rel_err(pushed, want_push),
+    return {"rel_err": rel_err(got, want_out), "push_rel_err": max(push_errs),
             "bit_identical_repeat": bool(np.array_equal(again, got))}
 
-  def _zeros_ws(self):
+  def _zeros_peers(self):
+    """The peers' workspaces, zeroed, back to back in one buffer."""
     import jax
     import jax.numpy as jnp
-    return jax.device_put(jnp.zeros((workspace_bytes(self.case),), jnp.uint8), self.device)
+    nbytes = (self.case.world - 1) * peer_stride(self.case)
+    return jax.device_put(jnp.zeros((nbytes,), jnp.uint8), self.device)
 
   def fused_args(self):
     return (self.a, self.b, self.table, self.rank)
 
-  def gemm_args(self):
+  def gathered(self):
+    """ag: the gathered rows, rank 0's shard first (as the kernel computes them)."""
     import jax
     import jax.numpy as jnp
-    if self.case.op == "ag":  # the gathered rows, this GPU's shard first (as the kernel computes)
-      return (jax.jit(jnp.concatenate)([self.a, self.peer]), self.b)
+    return jax.jit(lambda *x: jnp.concatenate(x))(self.a, *self.peers)
+
+  def gemm_args(self):
+    if self.case.op == "ag":
+      return (self.gathered(), self.b)
     return (self.a, self.b)

@@ -6,29 +6,31 @@ from __future__ import annotations
 from jax_autooverlap.bench.loopback.fixture import WORLD, Case, np_dtype
 
 
-def _arm(table, compute_capability=None):
-  """The loopback set-up kernel before each fused call (kernels/loopback.py)."""
+def _arm(table, world: int = WORLD, compute_capability=None):
+  """The loopback set-up kernel before each fused call (kernels/loopback.py): arms rank 0's
+  counters from the world - 1 peers."""
   import jax
   from jax_autooverlap._compat import import_jax_triton
   from jax_autooverlap.kernels.loopback import loopback_arm_kernel
   from jax_autooverlap.runtime import workspace
   jt = import_jax_triton()
-  n = max(table.shape[0], 2 * WORLD * workspace.MAX_CHUNKS)
+  n = max(table.shape[0], 2 * world * workspace.MAX_CHUNKS)
   return jt.triton_call(
       table, kernel=loopback_arm_kernel, name="ao_loopback_arm",
       out_type=jax.ShapeDtypeStruct(table.shape, table.dtype), grid=(1,), num_warps=4,
       compute_capability=compute_capability,
-      TABLE_LEN=table.shape[0], WORLD=WORLD, FLAGS_OFF=workspace.FLAGS_OFFSET,
+      TABLE_LEN=table.shape[0], WORLD=world, FLAGS_OFF=workspace.FLAGS_OFFSET,
       MAX_CHUNKS=workspace.MAX_CHUNKS, BLOCK=1 << (n - 1).bit_length())
 
 
 def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
                   compute_capability: int | None = None, return_gathered: bool = False,
-                  trace: bool = False):
-  """jit(a, b, table, rank) -> rank 0's output (ag with return_gathered: (output, gathered
-  shards)): set-up kernel, then the fused kernel (compute_capability: compile-only checks on a
-  machine without a GPU).  trace (Gluon engine): (output, the kernel's per-tile timeline)."""
-  cc = dict(compute_capability=compute_capability)
+                  trace: bool = False, poison: bool = False):
+  """jit(a, b, table, rank) -> rank 0's output in a group of case.world (ag with
+  return_gathered: (output, gathered shards)): set-up kernel, then the fused kernel
+  (compute_capability: compile-only checks on a machine without a GPU).  trace (Gluon
+  engine): (output, the kernel's per-tile timeline).  poison (tests): the outputs are zeroed
+  before the kernel runs, so elements it fails to write show as zeros."""
   import functools
   import jax
   if trace:  # the Gluon launchers themselves: only they record a timeline
@@ -41,15 +43,15 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
   launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
   dtype = np_dtype(case.dtype)
+  common = dict(world=case.world, kernel=kernel, out_dtype=dtype, timeout_s=timeout_s,
+                num_sms=num_sms, compute_capability=compute_capability, poison=poison)
 
   def run(a, b, table, rank):
-    table = _arm(table, **cc)  # data dependence: the set-up kernel runs first
+    # data dependence: the set-up kernel runs first
+    table = _arm(table, case.world, compute_capability=compute_capability)
     if case.op == "ag":
-      return launch_ag_gemm(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
-                            return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
-                            **cc)
-    return launch_gemm_rs(a, b, table, rank, world=WORLD, kernel=kernel, out_dtype=dtype,
-                          timeout_s=timeout_s, num_sms=num_sms, **cc)
+      return launch_ag_gemm(a, b, table, rank, return_gathered=return_gathered, **common)
+    return launch_gemm_rs(a, b, table, rank, **common)
   return jax.jit(run)
 
 

@@ -1,0 +1,264 @@
+"""The shape list: every projection of a few published LLMs under tensor parallelism, run in
+loopback on one GPU in one command.
+
+    python -m jax_autooverlap.bench shapes --loopback [--filter F ...] [--max-shapes N] [--list]
+
+The list is package data (data/llm_shapes.json), so an installed benchmark finds it.  Its
+`models` are the published dimensions (hidden, intermediate, heads, KV heads, head size; for
+Mixtral its experts), its `axes` the group sizes (TP = 2, 4, 8), tokens per step (4k, 8k,
+16k) and small M (128 ... 1024: prefill chunks, decode-like steps), and its `entries` the
+fused ops, each a global M x K x N over a group of `world` GPUs:
+  qkv      ag  M x hidden x (heads + 2 KV heads) * head size   (column parallel)
+  o        rs  M x heads * head size x hidden                   (row parallel)
+  gate_up  ag  M x hidden x 2 intermediate                      (column parallel)
+  down     rs  M x intermediate x hidden                        (row parallel)
+where M is the step's tokens, for an expert's MLP (Mixtral) the tokens routed to one expert
+on average (tokens x experts per token / experts), or a small M directly.  An op that two
+models share (Llama-3-70B's and Qwen2-72B's attention) is one entry, the other model in its
+`also`.  One GPU's work is bench/loopback's: ag [M, K] @ [K, N/world], rs [M, K/world] @
+[K/world, N].
+
+Each entry runs as bench/loopback's cases do (checked against the unfused result, then timed
+interleaved with cuBLAS, the Gluon engine alone and the `tl` engine); the table shows per
+entry ours / cuBLAS, the engine alone / cuBLAS and tl / cuBLAS against the target (issue 27:
+ours / cuBLAS <= 1.10 where the local GEMM takes >= 20 us, <= 1.25 below).  Records:
+`*-shapes-loopback.json` (bench/records/README.md's loopback fields, plus the entry's
+`model`, `projection`, `tokens`, `also`; an entry no kernel can run has impl `unsupported`
+and its `reason`), `*-shapes-engine-alone.json`, the table as `.txt`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import sys
+import time
+
+from jax_autooverlap.bench import common
+from jax_autooverlap.bench.loopback.cli import variant_name
+
+LIST = pathlib.Path(__file__).parent / "data" / "llm_shapes.json"
+# ours / cuBLAS targets: where the local GEMM takes at least TARGET_SPLIT_MS, and below
+TARGET_SPLIT_MS = 0.020
+TARGETS = (1.10, 1.25)
+log = common.logger("shapes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One fused op of the list: global M x K x N over a group of `world`."""
+  model: str
+  projection: str  # qkv | o | gate_up | down
+  op: str          # ag | rs
+  m: int
+  k: int
+  n: int
+  world: int
+  tokens: int | None = None  # tokens per step it comes from; None: a small M of the list
+  also: tuple[str, ...] = ()  # other models with the same op
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    """What --filter matches: models, projection, op, w<world>, m<M>, step or small."""
+    return (self.model, *self.also, self.projection, self.op, f"w{self.world}", f"m{self.m}",
+            "small" if self.tokens is None else "step")
+
+  @property
+  def label(self) -> str:
+    return f"{self.model} {self.projection} {self.op} {self.m}x{self.k}x{self.n} w{self.world}"
+
+  def case(self, dtype: str = "bfloat16"):
+    from jax_autooverlap.bench.loopback.fixture import Case
+    return Case(self.op, self.m, self.k, self.n, dtype=dtype, world=self.world)
+
+
+def load(path: pathlib.Path = LIST) -> list[Entry]:
+  doc = json.loads(pathlib.Path(path).read_text())
+  return [Entry(**{**e, "also": tuple(e.get("also", ()))}) for e in doc["entries"]]
+
+
+def models(path: pathlib.Path = LIST) -> dict:
+  return json.loads(pathlib.Path(path).read_text())["models"]
+
+
+def select(entries: list[Entry], filters=(), max_shapes: int | None = None) -> list[Entry]:
+  """The entries matching every filter (each "a|b|...": one of its alternatives equals one of
+  the entry's fields), then at most max_shapes of them spread evenly over the list (first and
+  last kept), in list order."""
+  for f in filters:
+    alternatives = set(f.split("|"))
+    entries = [e for e in entries if alternatives & set(e.fields)]
+  if max_shapes is not None and len(entries) > max_shapes:
+    if max_shapes <= 1:
+      return entries[:max_shapes]
+    step = (len(entries) - 1) / (max_shapes - 1)
+    entries = [entries[round(i * step)] for i in range(max_shapes)]
+  return entries
+
+
+def target(gemm_ms: float) -> float:
+  """The ours / cuBLAS target at a local GEMM time."""
+  return TARGETS[0] if gemm_ms >= TARGET_SPLIT_MS else TARGETS[1]
+
+
+HEAD = ("model", "proj", "op", "w", "global MxKxN", "local GEMM", "cuBLAS ms", "ours/cuBLAS",
+        "ours kernel", "engine/cuBLAS", "tl/cuBLAS", "target", "met")
+
+
+def table_rows(records: list[dict]) -> list[tuple]:
+  """One row per entry (records in the order written: an entry's records are adjacent)."""
+  by_entry: dict = {}
+  for r in records:
+    key = (r["model"], r["projection"], r["op"], r["m"], r["k"], r["n"], r["world_size"])
+    by_entry.setdefault(key, {})[r["impl"]] = r
+  rows = []
+  nan = float("nan")
+  for (model, proj, op, m, k, n, w), impls in by_entry.items():
+    shape = f"{m}x{k}x{n}"
+    if "unsupported" in impls:
+      rows.append((model, proj, op, w, shape, "-", "-", "-", impls["unsupported"]["reason"], "-",
+                   "-", "-", "-"))
+      continue
+    gemm = impls.get("gemm_alone", {}).get("median_ms", nan)
+    ratio = lambda impl: impls[impl]["median_ms"] / gemm if impl in impls else nan
+    ours = ratio("ours")
+    goal = target(gemm)
+    met = "-" if math.isnan(ours) else ("yes" if ours <= goal else "no")
+    local = "x".join(map(str, impls["gemm_alone"]["local_gemm"])) if "gemm_alone" in impls else "-"
+    rows.append((model, proj, op, w, shape, local, f"{gemm:.4f}", f"{ours:.3f}",
+                 variant_name(impls["ours"].get("kernel", impls["ours"]))
+                 if "ours" in impls else "-",
+                 f"{ratio('engine_alone'):.3f}", f"{ratio('ours_tl'):.3f}", f"{goal:.2f}", met))
+  return rows
+
+
+def format_table(records: list[dict]) -> str:
+  rows = [HEAD] + [tuple(map(str, r)) for r in table_rows(records)]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
+  lines = ["Shape list in loopback (one GPU as rank 0 of each group), device time per call; "
+           "ratios to cuBLAS on the same local GEMM"]
+  lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows]
+  done = [r for r in table_rows(records) if r[-1] in ("yes", "no")]
+  lines.append(f"target met on {sum(r[-1] == 'yes' for r in done)} of {len(done)} measured "
+               f"entries")
+  return "\n".join(lines)
+
+
+def unsupported_reason(entry: Entry, dtype: str) -> str:
+  """Why no fused kernel runs this entry (the tuner's reason for its default config)."""
+  from jax_autooverlap.bench.loopback.fixture import np_dtype
+  from jax_autooverlap.tuning import select
+  case = entry.case(dtype)
+  dt = np_dtype(dtype)
+  return select.unsupported(case.m // case.world, case.local_gemm[1], case.local_gemm[2], dt, dt,
+                            select.default_kernel(dt)) or "no engine runs it"
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(
+      prog="python -m jax_autooverlap.bench shapes",
+      description="The shape list (projections of Llama-3-8B/70B, Qwen2-72B, Mixtral-8x22B at "
+                  "TP = 2, 4, 8; 4k/8k/16k tokens and M = 128..1024) in loopback on one GPU: "
+                  "each entry's fused kernel as rank 0 of its group, checked against the "
+                  "unfused result, timed against cuBLAS, the Gluon engine alone and the tl "
+                  "engine; one table, *-shapes-loopback.json records.")
+  ap.add_argument("--loopback", action="store_true", required=True,
+                  help="one GPU standing in for each entry's group (the only mode)")
+  ap.add_argument("--filter", action="append", default=[],
+                  help="keep entries with a field equal to one of a|b|...: a model "
+                       "(llama3-8b, llama3-70b, qwen2-72b, mixtral-8x22b), a projection (qkv, o, "
+                       "gate_up, down), ag or rs, w2/w4/w8, m<M>, step or small; repeat to "
+                       "narrow (all must match)")
+  ap.add_argument("--max-shapes", type=int, default=None,
+                  help="at most this many entries, spread evenly over the filtered list")
+  ap.add_argument("--list", action="store_true",
+                  help="print the selected entries and their per-rank GEMMs, run nothing")
+  ap.add_argument("--shapes-file", default=str(LIST),
+                  help="the list (default: the package's %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--engines", default="tl,gluon",
+                  help="fused-kernel engines, comma-separated (default: %(default)s)")
+  ap.add_argument("--rounds", type=int, default=5,
+                  help="interleaved rounds per entry (default: %(default)s)")
+  ap.add_argument("--calls", type=int, default=20,
+                  help="back-to-back calls per round (default: %(default)s)")
+  ap.add_argument("--time-budget", type=float, default=None,
+                  help="seconds: start no entry after this long (the table of what ran is "
+                       "still printed)")
+  ap.add_argument("--tag", default="", help="suffix of the output file names")
+  ap.add_argument("--out", default="bench/results",
+                  help="directory of the JSON and table (default: %(default)s)")
+  return ap
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+  entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
+  if args.list:
+    for e in entries:
+      print(f"{e.label}  local {'x'.join(map(str, e.case(args.dtype).local_gemm))}"
+            + (f"  ({e.tokens} tokens)" if e.tokens else "")
+            + (f"  also {','.join(e.also)}" if e.also else ""))
+    print(f"{len(entries)} entries")
+    return 0
+  import jax
+  import numpy as np
+  from jax_autooverlap.bench.loopback import cli
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if not gpus:
+    print("bench shapes --loopback: needs an NVIDIA GPU", file=sys.stderr)
+    return 2
+  engines = [e for e in args.engines.split(",") if e]
+  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
+    log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
+    engines.remove("gluon")
+  gpu, versions = common.gpu_name(gpus[0]), common.versions()
+  date = datetime.date.today().isoformat()
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = out_dir / f"{gpu}-x1-{date}-shapes"
+  records = []
+  start = time.monotonic()
+  for i, e in enumerate(entries, 1):
+    if args.time_budget is not None and time.monotonic() - start > args.time_budget:
+      log(f"time budget of {args.time_budget:.0f} s spent: entries {i}..{len(entries)} not run")
+      break
+    case = e.case(args.dtype)
+    log(f"[{i}/{len(entries)}] {e.label} (local GEMM {'x'.join(map(str, case.local_gemm))})")
+    base = {"model": e.model, "projection": e.projection, "tokens": e.tokens,
+            "also": list(e.also), "op": e.op, "m": e.m, "k": e.k, "n": e.n,
+            "dtype": args.dtype, "world_size": e.world, "mode": "loopback",
+            "local_gemm": list(case.local_gemm), "gpu": gpu, "versions": versions, "date": date}
+    if not cli.kernel_configs(case, gpus[0].device_kind, engines):
+      reason = unsupported_reason(e, args.dtype)
+      log(f"[{i}/{len(entries)}] {e.label}: unsupported: {reason}")
+      records.append({**base, "impl": "unsupported", "reason": reason})
+      continue
+    try:
+      measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls)
+    except Exception as ex:  # noqa: BLE001 - report, go on with the list
+      log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
+      records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})
+      continue
+    records += [{**base, **r} for r in measured]
+    # written after every entry: a run cut short keeps what it measured
+    stem.with_name(stem.name + f"-loopback{args.tag}.json").write_text(
+        json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+    gemm = next((r["median_ms"] for r in measured if r["impl"] == "gemm_alone"), np.nan)
+    summary = ", ".join(f"{r['impl']} {r['median_ms'] / gemm:.3f}" for r in measured
+                        if r["impl"] != "gemm_alone")
+    log(f"[{i}/{len(entries)}] {e.label}: cuBLAS {gemm:.4f} ms; {summary}")
+  path = stem.with_name(stem.name + f"-loopback{args.tag}.json")
+  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+  engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
+  if engine:
+    stem.with_name(stem.name + f"-engine-alone{args.tag}.json").write_text(
+        json.dumps(engine, indent=1))
+  table = format_table(records)
+  path.with_suffix(".txt").write_text(table + "\n")
+  print(f"wrote {path}")
+  print(table)
+  return 0

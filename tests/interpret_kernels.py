@@ -1,0 +1,172 @@
+"""The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
+
+    TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N [M K N]
+
+(tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
+imported, so it needs a process of its own.)  The loopback fixture's host images
+(bench/loopback/fixture.py: rank 0's workspace with every peer's piece in both parity slots,
+the peers' workspaces back to back, the address table) in host memory, the set-up kernel that
+arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), twice (both
+parity slots); its output and its push into each peer's workspace are compared with the
+unfused result.  The interpreter runs the CTAs one after another, so this checks what the
+kernel computes and where it writes (tile order, split-K's parts and sums, the counters left
+zero), not the memory ordering between CTAs or GPUs.  The interpreter has no inline assembly:
+the system-scope acquire load is a plain load here, the proxy fence and the clock nothing.
+Prints one line: OK, or what differed.
+"""
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+# The operands are host memory already: the executor copies nothing.
+interpreter.GridExecutor._init_args_hst = lambda self, args, kwargs: (list(args), dict(kwargs))
+interpreter.GridExecutor._restore_args_dev = lambda self, *args: None
+
+from jax_autooverlap.kernels import sync  # noqa: E402
+
+
+@triton.jit
+def _plain_acquire(ptr):
+  return tl.load(ptr)
+
+
+@triton.jit
+def _no_fence():
+  pass
+
+
+@triton.jit
+def _zero_clock():
+  return 0
+
+
+sync.ld_acquire_sys = _plain_acquire
+sync.fence_proxy_async = _no_fence
+sync.globaltimer = _zero_clock
+
+
+class _Dtype:
+  """A dtype as Triton reads it from a tensor (its str).  One object per name: Triton caches
+  what it made of a dtype by the object's identity."""
+  _all: dict = {}
+
+  def __new__(cls, name):
+    if name not in cls._all:
+      cls._all[name] = super().__new__(cls)
+      cls._all[name].name = name
+    return cls._all[name]
+
+  def __str__(self):
+    return self.name
+
+
+class Host:
+  """A NumPy array as a kernel argument (what the interpreter reads from a tensor)."""
+
+  def __init__(self, array):
+    self.array = array
+    self.dtype = _Dtype(array.dtype.name)
+
+  def data_ptr(self):
+    return self.array.ctypes.data
+
+
+def _buffer(nbytes, align=4096):
+  """Zeroed host bytes at an `align`-aligned address."""
+  raw = np.zeros(nbytes + align, np.uint8)
+  start = (-raw.ctypes.data) % align
+  return raw[start:start + nbytes]
+
+
+def run(op, world, split_k, block_m, block_n, m, k, n, num_sms=16):
+  from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
+  from jax_autooverlap.bench.loopback import fixture
+  from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
+  from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
+  from jax_autooverlap.kernels.loopback import loopback_arm_kernel
+  from jax_autooverlap.runtime import workspace
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import KernelConfig
+  case = fixture.Case(op, m, k, n, dtype="float16", world=world)
+  cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
+                     num_comm=2, split_k=split_k)
+  rng = np.random.default_rng(world * 100 + split_k)
+  a = rng.standard_normal(case.a_shape).astype(np.float16)
+  b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[0])).astype(np.float16)
+  peers = [rng.standard_normal(case.piece_shape).astype(np.float16) for _ in range(world - 1)]
+  ws0 = _buffer(fixture.workspace_bytes(case))
+  ws0[:] = fixture.rank0_workspace(case, peers)
+  peer_ws = _buffer((world - 1) * fixture.peer_stride(case))
+  table = fixture.address_table(fixture.group_addresses(case, ws0.ctypes.data,
+                                                        peer_ws.ctypes.data))
+  want_out, want_pushes = fixture.references(case, a.astype(np.float32), b.astype(np.float32),
+                                             [p.astype(np.float32) for p in peers])
+  rank = np.zeros(1, np.int32)
+  rows, kk, cols = case.a_shape[0], case.a_shape[1], case.b_shape[1]
+  if op == "ag":
+    tm, tn, num_comm, num_ctas = ag_grid(rows, cols, world, cfg, num_sms)
+  else:
+    _, tm, tn, num_ctas = rs_grid(rows, cols, world, cfg, num_sms)
+  why = select.split_k_unsupported(cfg, world * tm * tn, kk)  # what the launchers refuse
+  if why:
+    raise ValueError(why)
+  consts = kernel_constants(cfg, world, tm, num_ctas, 1.0, 0)
+  partials = np.zeros(max(4, world * tm * tn * split_k * block_m * block_n), np.float32)
+  scratch = np.zeros(num_ctas * 1024, np.uint8)
+  problems = []
+  for call in range(2):
+    n_flags = 2 * world * workspace.MAX_CHUNKS
+    arm_block = 1 << (max(table.size, n_flags) - 1).bit_length()
+    table_out = np.zeros_like(table)
+    loopback_arm_kernel[(1,)](Host(table), Host(table_out), TABLE_LEN=table.size, WORLD=world,
+                              FLAGS_OFF=workspace.FLAGS_OFFSET, MAX_CHUNKS=workspace.MAX_CHUNKS,
+                              BLOCK=arm_block)
+    parity = int(ws0[:4].view(np.int32)[0]) % 2
+    out = np.zeros(case.out_shape, np.float16)
+    if op == "ag":
+      gathered = np.zeros(16, np.float16)
+      ag_gemm_kernel[(num_ctas,)](
+          Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(gathered),
+          Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
+          COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
+          **consts)
+    else:
+      gemm_rs_kernel[(num_ctas,)](
+          Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(partials),
+          Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, **consts)
+    err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
+    if err > 1e-2:
+      problems.append(f"call {call}: output off by {err:.3g}")
+    for r, want in enumerate(want_pushes, start=1):
+      off = (r - 1) * fixture.peer_stride(case) + fixture.piece_offset(case, parity, 0)
+      pushed = peer_ws[off:off + fixture.piece_bytes(case)].view(np.float16).reshape(
+          case.piece_shape).astype(np.float32)
+      perr = np.abs(pushed - want).max() / max(np.abs(want).max(), 1e-6)
+      if perr > 1e-2:
+        problems.append(f"call {call}: push to peer {r} off by {perr:.3g}")
+    header = ws0[:16].view(np.int32)
+    flags = ws0[workspace.FLAGS_OFFSET:workspace.FLAGS_OFFSET + 4 * n_flags].view(np.int32)
+    own = flags.reshape(2, world, workspace.MAX_CHUNKS)[parity, 0]
+    if header[0] != call + 1 or header[1] != 0 or header[2 + parity] != 0 or own.any():
+      problems.append(f"call {call}: epoch {header[0]}, done {header[1]}, tile counter "
+                      f"{header[2 + parity]}, own split counters {np.count_nonzero(own)} "
+                      f"nonzero after the call")
+  return problems
+
+
+def main(argv):
+  op, world, split_k, block_m, block_n = argv[0], *map(int, argv[1:5])
+  m, k, n = map(int, argv[5:8]) if len(argv) > 5 else (256, 512, 384)
+  problems = run(op, world, split_k, block_m, block_n, m, k, n)
+  print("OK" if not problems else "FAIL: " + "; ".join(problems))
+  return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
+as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
+counters zero after each of two calls; with and without split-K (kernels/split_k.py), full and
+ragged tiles.  What they compute, not how CTAs or GPUs order memory (that is for the GPU tests).
+"""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import triton
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+  pytest.skip("Triton's interpreter before 3.9 cannot loop over tensor bounds (split-K's k "
+              "range)", allow_module_level=True)
+
+CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
+    ("ag", 2, 1, 128, 256, 256, 512, 1024),
+    ("ag", 4, 1, 64, 64, 256, 512, 384),
+    ("ag", 4, 3, 64, 128, 600, 512, 640),     # ragged shards and columns
+    ("ag", 8, 2, 64, 64, 512, 512, 512),
+    ("rs", 2, 1, 64, 128, 1200, 512, 640),    # ragged rows and columns
+    ("rs", 4, 2, 64, 64, 256, 512, 384),
+    ("rs", 4, 3, 64, 128, 600, 2048, 320),    # ragged, split-K
+    ("rs", 8, 4, 64, 64, 128, 4096, 512),     # 16 rows per owner
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c))
+def test_tl_kernel_in_the_interpreter_matches_unfused(case):
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
+                         *map(str, case)], capture_output=True, text=True, timeout=600,
+                        cwd=ROOT)
+  assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "OK", (
+      proc.stdout[-2000:] + proc.stderr[-3000:])
+
+
+def test_split_k_beyond_its_counters_is_refused():
+  """More split tiles than a rank's own row of counters (64) would count into the next row:
+  the launchers and the tuner refuse it (the interpreter run shows what it would do)."""
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"), "rs", "4",
+                         "2", "64", "128", "1024", "512", "640"], capture_output=True, text=True,
+                        timeout=600, cwd=ROOT)
+  assert proc.returncode != 0
+  assert "split_k=2 takes at most 64 output tiles per call, this shape has 80" in proc.stderr

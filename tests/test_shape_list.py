@@ -1,0 +1,143 @@
+"""The benchmark's LLM shape list (jax_autooverlap/bench/data/llm_shapes.json) and its runner's
+host side, on CPU: the list's arithmetic from the published model dimensions, the per-rank
+GEMMs, the filters and the table."""
+import json
+
+import pytest
+
+from jax_autooverlap.bench import __main__ as bench
+from jax_autooverlap.bench import shapes
+
+
+def _expected_entries(doc):
+  """The list rebuilt from its models and axes (bench/shapes.py's docstring says how)."""
+  out, seen = [], {}
+  for name, d in doc["models"].items():
+    q = d["heads"] * d["head_dim"]
+    projections = [("qkv", "ag", d["hidden"], q + 2 * d["kv_heads"] * d["head_dim"], False),
+                   ("o", "rs", q, d["hidden"], False),
+                   ("gate_up", "ag", d["hidden"], 2 * d["intermediate"], True),
+                   ("down", "rs", d["intermediate"], d["hidden"], True)]
+    for proj, op, k, n, mlp in projections:
+      for w in doc["axes"]["tp"]:
+        ms = [(t * d["experts_per_token"] // d["experts"] if mlp and "experts" in d else t, t)
+              for t in doc["axes"]["tokens"]]
+        for m, t in ms + [(m, None) for m in doc["axes"]["small_m"]]:
+          key = (op, m, k, n, w)
+          if key in seen:
+            if name != seen[key]["model"]:
+              seen[key]["also"].append(name)
+            continue
+          seen[key] = dict(model=name, projection=proj, op=op, m=m, k=k, n=n, world=w, tokens=t,
+                           also=[])
+          out.append(seen[key])
+  return out
+
+
+def test_list_is_its_models_projections_at_each_group_size_and_m():
+  doc = json.loads(shapes.LIST.read_text())
+  # the published dimensions (the models' config.json)
+  dims = {name: (d["hidden"], d["intermediate"], d["heads"], d["kv_heads"], d["head_dim"])
+          for name, d in doc["models"].items()}
+  assert dims == {"llama3-8b": (4096, 14336, 32, 8, 128), "llama3-70b": (8192, 28672, 64, 8, 128),
+                  "qwen2-72b": (8192, 29568, 64, 8, 128),
+                  "mixtral-8x22b": (6144, 16384, 48, 8, 128)}
+  assert (doc["models"]["mixtral-8x22b"]["experts"],
+          doc["models"]["mixtral-8x22b"]["experts_per_token"]) == (8, 2)
+  assert doc["axes"] == {"tp": [2, 4, 8], "tokens": [4096, 8192, 16384],
+                         "small_m": [128, 256, 512, 1024]}
+  got = [dict(e.__dict__, also=list(e.also)) for e in shapes.load()]
+  assert got == _expected_entries(doc)
+  # 4 models x 4 projections x 3 group sizes x 7 M, less Qwen2-72B's attention (Llama-3-70B's
+  # shapes) and Mixtral's expert MLP at 4k tokens (its M = 1024 is a small M too)
+  assert len(got) == 4 * 4 * 3 * 7 - 2 * 3 * 7 - 2 * 3
+  assert sum(e["also"] == ["qwen2-72b"] for e in got) == 2 * 3 * 7
+
+
+def test_each_entry_is_a_loopback_case_with_the_tp_ranks_gemm():
+  """Per-rank GEMMs of the issue's examples (Llama-3 at 8k tokens, TP = 8), and every entry
+  splits evenly over its group."""
+  by = {(e.model, e.projection, e.world, e.m): e for e in shapes.load()}
+  want = {("llama3-8b", "qkv"): (8192, 4096, 768), ("llama3-8b", "o"): (8192, 512, 4096),
+          ("llama3-8b", "gate_up"): (8192, 4096, 3584), ("llama3-8b", "down"): (8192, 1792, 4096),
+          ("llama3-70b", "qkv"): (8192, 8192, 1280), ("llama3-70b", "o"): (8192, 1024, 8192),
+          ("llama3-70b", "gate_up"): (8192, 8192, 7168),
+          ("llama3-70b", "down"): (8192, 3584, 8192)}
+  for (model, proj), local in want.items():
+    assert by[(model, proj, 8, 8192)].case().local_gemm == local
+  # Mixtral's expert at 16k tokens: 16384 x 2 / 8 = 4096 rows
+  e = by[("mixtral-8x22b", "down", 4, 4096)]
+  assert e.tokens == 16384 and e.case().local_gemm == (4096, 4096, 6144)
+  for e in shapes.load():
+    c = e.case()  # raises where the group cannot split the shape
+    rows = c.m // c.world
+    assert rows * c.world == c.m and rows >= 16
+    assert c.local_gemm == ((e.m, e.k, e.n // e.world) if e.op == "ag" else (e.m, e.k // e.world, e.n))
+
+
+def test_qwen2_down_at_tp_4_and_8_is_unsupported_with_the_tuners_reason():
+  """29568 / 4 and / 8 are not multiples of 64: the kernels' K step."""
+  (e,) = shapes.select(shapes.load(), ["qwen2-72b", "down", "w8", "m8192"])
+  assert shapes.unsupported_reason(e, "bfloat16") == "K=3696 must be a multiple of 64"
+
+
+def test_filters_and_max_shapes():
+  entries = shapes.load()
+  sel = shapes.select(entries, ["w8", "m128|m8192", "llama3-8b"])
+  assert {(e.world, e.m, e.model) for e in sel} == {(8, 128, "llama3-8b"), (8, 8192, "llama3-8b")}
+  assert len(sel) == 8  # 4 projections x 2 M
+  # a model named in `also` matches too
+  assert {e.model for e in shapes.select(entries, ["qwen2-72b", "qkv"])} == {"llama3-70b"}
+  assert {e.tokens is None for e in shapes.select(entries, ["small"])} == {True}
+  spread = shapes.select(entries, ["rs"], 5)
+  rs = shapes.select(entries, ["rs"])
+  assert len(spread) == 5 and spread[0] == rs[0] and spread[-1] == rs[-1]
+  assert len(set(spread)) == 5 and [rs.index(e) for e in spread] == sorted(rs.index(e) for e in spread)
+  assert shapes.select(entries, ["nothing"]) == []
+
+
+def test_list_command_prints_entries_without_a_gpu(capsys):
+  assert bench.main(["shapes", "--loopback", "--list", "--filter", "w8", "--filter", "o",
+                     "--filter", "m8192|m128"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[-1] == "6 entries"
+  assert "llama3-8b o rs 8192x4096x4096 w8  local 8192x512x4096  (8192 tokens)" in out
+  assert any("also qwen2-72b" in line for line in out)
+
+
+def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
+  base = dict(model="llama3-8b", projection="qkv", op="ag", m=8192, k=4096, n=6144, world_size=8,
+              local_gemm=[8192, 4096, 768])
+  small = dict(base, m=128, local_gemm=[128, 4096, 768])
+  records = [dict(base, impl="gemm_alone", median_ms=0.1),
+             dict(base, impl="ours_tl", median_ms=0.13, engine="tl"),
+             dict(base, impl="engine_alone", median_ms=0.104, engine="gluon"),
+             dict(base, impl="ours", median_ms=0.108, engine="gluon",
+                  kernel={"engine": "gluon", "block_m": 128, "block_n": 128, "wg_partitions": False}),
+             dict(small, impl="gemm_alone", median_ms=0.01),
+             dict(small, impl="ours", median_ms=0.0124, engine="tl",
+                  kernel={"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 4}),
+             dict(base, projection="down", op="rs", m=8192, k=29568, n=8192, model="qwen2-72b",
+                  impl="unsupported", reason="K=3696 must be a multiple of 64")]
+  rows = shapes.table_rows(records)
+  assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
+                     "1.080", "gluon-128x128", "1.040", "1.300", "1.10", "yes")
+  # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan
+  assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
+                         "nan", "1.25", "yes")
+  assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
+                     "K=3696 must be a multiple of 64", "-", "-", "-", "-")
+  table = shapes.format_table(records)
+  assert table.splitlines()[-1] == "target met on 2 of 2 measured entries"
+  assert "ours/cuBLAS" in table.splitlines()[1]
+  records[3]["median_ms"] = 0.111
+  assert shapes.table_rows(records)[0][-1] == "no"
+  assert shapes.target(0.020) == 1.10 and shapes.target(0.0199) == 1.25
+
+
+def test_parse_args():
+  args = shapes.parser().parse_args(["--loopback", "--filter", "w8", "--filter", "ag",
+                                     "--max-shapes", "12"])
+  assert (args.filter, args.max_shapes, args.rounds, args.calls) == (["w8", "ag"], 12, 5, 20)
+  with pytest.raises(SystemExit):
+    shapes.parser().parse_args([])
