@@ -20,13 +20,17 @@ full NVLink round trip with the tensor cores idle; one main loop later the
 stores have drained and the release is cheap.  Pending releases are always
 issued before any wait, so two GPUs can never wait on each other's held
 signals.
+
+fp8 operands (e4m3/e5m2, any pairing): b comes K-major as [N, K] (wgmma reads
+fp8 B K-major only); each partial is multiplied by this GPU's scale
+(sync.epilogue_scale) in f32 before it is pushed or summed.
 """
 import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
-from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
-                                          table_address, wait_at_least)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
+                                          signal_add, table_address, wait_at_least)
 
 
 @triton.jit
@@ -59,6 +63,7 @@ def gemm_rs_kernel(
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
+  FP8: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
   err_slot = ws + ERROR_SLOT_OFFSET
@@ -79,8 +84,13 @@ def gemm_rs_kernel(
   # they only feed output rows >= M_OUT, which are never stored.
   a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                      block_shape=[BLOCK_M, BLOCK_K])
-  b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                     block_shape=[BLOCK_K, BLOCK_N])
+  if FP8:  # b is [N, K]
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    scale = epilogue_scale(table_ptr, WORLD)
+  else:
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
   part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
                                         block_shape=[BLOCK_M, BLOCK_N])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_OUT, N], strides=[N, 1],
@@ -95,7 +105,12 @@ def gemm_rs_kernel(
     row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      if FP8:
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
+      else:
+        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+    if FP8:
+      acc = acc * scale
     if pending != 0:
       signal_add(pending_flag, 1)
       pending = tl.full([], 0, tl.int32)
