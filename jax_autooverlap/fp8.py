@@ -34,6 +34,11 @@ def name(dtype) -> str:
   return np.dtype(dtype).name
 
 
+def short(dtype) -> str:
+  """e4m3 / e5m2 for the fp8 formats (as PTX names them), the dtype's name otherwise."""
+  return {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}.get(name(dtype), name(dtype))
+
+
 def is_fp8(dtype) -> bool:
   return dtype is not None and name(dtype) in FP8_DTYPES
 

@@ -7,11 +7,12 @@ Compile only (no GPU): each case is lowered as tests/test_kernel_compile.py lowe
 (jax.export for cuda, compute capability 90, jax-triton's dump directory) and its PTX is
 written to OUT_DIR/<case>.ptx, the case's name spelling out op, dtype, config, world and
 shape.  The cases: AG+GEMM (with and without the gathered output) and GEMM+RS, each config
-the tuner can return (select.default_kernel for bf16, f16 and f32, every shipped verdict
-with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and without
-warpgroup partitions, as autotuning times it), worlds 2, 4 and 8, a large and a ragged
-shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs);
-the timeline builds (trace=True); the loopback set-up kernel.
+the tuner can return (select.default_kernel for bf16, f16, f32 and fp8 e4m3, every shipped
+verdict with impl "triton", each 16-bit and fp8 one on both engines, GEMM+RS on gluon with
+and without warpgroup partitions, as autotuning times it), worlds 2, 4 and 8, a large and a
+ragged shape; fp8 also with e5m2 x e4m3 operands (the backward's); the Gluon engine's GEMM
+alone (backends/gluon.launch_gemm, the benchmarks' configs); the timeline builds
+(trace=True); the loopback set-up kernel.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -51,12 +52,12 @@ def tuner_configs(op: str) -> list:
   from jax_autooverlap.tuning import select, store
   from jax_autooverlap.tuning.config import KernelConfig
   out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16,
-                                                                np.float32)}
+                                                                np.float32, jnp.float8_e4m3fn)}
   for key, entry in store.verdicts().items():
     if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
   for dtype, cfg in list(out):
-    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
+    if np.dtype(jnp.dtype(dtype)).itemsize <= 2:
       for engine in ("tl", "gluon"):
         out.add((dtype, dataclasses.replace(cfg, engine=engine)))
         if op == "rs" and engine == "gluon":
@@ -69,14 +70,20 @@ def cases():
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jax_autooverlap import fp8
   from jax_autooverlap.backends import gluon, triton as tb
   from jax_autooverlap.tuning.config import KernelConfig
   spec = jax.ShapeDtypeStruct
   common = dict(timeout_s=1.0, num_sms=132, compute_capability=90)
 
-  def fused(op, dtype, cfg, world, shape, launch=None, **extra):
+  def fused(op, dtype, cfg, world, shape, launch=None, b_dtype=None, **extra):
+    """fp8 operands (b_dtype: b's, if not dtype): b is [N, K], the output bf16."""
     m, k, n = shape
     dt = jnp.dtype(dtype)
+    b_spec = spec((k, n), dt)
+    if fp8.is_fp8(dt):
+      b_spec = spec((n, k), jnp.dtype(b_dtype or dt))
+      dt = jnp.dtype(jnp.bfloat16)
     if op == "ag":
       launch = launch or tb.launch_ag_gemm
       f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
@@ -85,7 +92,7 @@ def cases():
       launch = launch or tb.launch_gemm_rs
       f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
                                          **common, **extra)
-    return f, (spec((m, k), dt), spec((k, n), dt), spec((2 * (world + 1),), np.uint32),
+    return f, (spec((m, k), jnp.dtype(dtype)), b_spec, spec((2 * (world + 1),), np.uint32),
                spec((1,), np.int32))
 
   for op in ("ag", "rs"):
@@ -99,17 +106,24 @@ def cases():
                      *fused(op, dtype, cfg, world, shape, return_gathered=gathered))
           else:
             yield base, *fused(op, dtype, cfg, world, shape)
+          if fp8.is_fp8(dtype) and world == 2:  # the backward's e5m2 x e4m3
+            yield (f"{op}-float8_e5m2xfloat8_e4m3fn-{_cfg_name(cfg)}-world{world}-{shape_name}",
+                   *fused(op, jnp.float8_e5m2, cfg, world, shape, b_dtype=jnp.float8_e4m3fn,
+                          **({"return_gathered": False} if op == "ag" else {})))
 
   bf16 = jnp.dtype(jnp.bfloat16)
-  for dtype in (jnp.bfloat16, jnp.float16):
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
     dt = jnp.dtype(dtype)
+    out = bf16 if fp8.is_fp8(dt) else dt
     for fields in GEMM_CONFIGS:
       cfg = KernelConfig(engine="gluon", **fields)
+      if fp8.is_fp8(dt):
+        cfg = dataclasses.replace(cfg, block_k=128)
       for shape_name, (m, k, n) in GEMM_SHAPES.items():
-        f = lambda a, b, cfg=cfg, dt=dt: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=dt,
-                                                           num_sms=132, compute_capability=90)
+        f = lambda a, b, cfg=cfg, out=out: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=out,
+                                                             num_sms=132, compute_capability=90)
         yield (f"gemm-{dt.name}-{_cfg_name(cfg)}-{shape_name}", f,
-               (spec((m, k), dt), spec((k, n), dt)))
+               (spec((m, k), dt), spec((n, k) if fp8.is_fp8(dt) else (k, n), dt)))
 
   # timeline builds (the loopback benchmark's --trace): the Gluon launchers themselves
   gcfg = KernelConfig(engine="gluon")
@@ -126,9 +140,9 @@ def cases():
     yield (f"rs-bfloat16-{_cfg_name(cfg)}-world2-large-trace",
            *fused("rs", bf16, cfg, 2, SHAPES["rs"]["large"], gluon.launch_gemm_rs, trace=True))
 
-  from jax_autooverlap.bench import loopback as lb
-  table = spec((2 * (lb.WORLD + 1),), np.uint32)
-  yield "loopback-arm", lambda t: lb._arm(t, compute_capability=90), (table,)
+  from jax_autooverlap.bench.loopback import WORLD, programs
+  table = spec((2 * (WORLD + 1),), np.uint32)
+  yield "loopback-arm", lambda t: programs._arm(t, compute_capability=90), (table,)
 
 
 def _kernels():

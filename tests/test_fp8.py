@@ -198,3 +198,222 @@ def test_tolerance_is_far_below_the_formats_error():
       assert fp8.gemm_tolerance(k, jnp.bfloat16, partials) < fp8.quantization_error(E4, E4)
   assert fp8.quantization_error(E4, E5) == 0.1875
   assert fp8.unit_roundoff(jnp.bfloat16) == 2.0 ** -8
+
+
+# --- the rewrite: fp8 forms next to an all_gather / psum_scatter ----------------------------
+
+def qdq(x, scale, dtype=E4):
+  """Quantize-dequantize with a per-tensor scale, as Flax's fp8_ops.qdq writes it."""
+  top = jnp.finfo(dtype).max.astype(x.dtype)
+  q = jnp.clip(x / scale.astype(x.dtype), -top, top).astype(dtype)
+  return q.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def _rewrite(body, in_specs, out_specs, args, mesh=None, check_vma=True):
+  """(report, ao.jit's result, jax.jit's result) of a shard_map body, reference ring."""
+  mesh = mesh or cpu_mesh((4,), ("x",))
+  f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                    check_vma=check_vma)
+  fused = ao.jit(f, overlap_config=ao.OverlapConfig(impl="reference"))
+  return fused.explain(*args), fused(*args), jax.jit(f)(*args), fused
+
+
+def _bf16(key, shape, scale=1.0):
+  return (jax.random.normal(key, shape, np.float32) * scale).astype(jnp.bfloat16)
+
+
+AG_SPECS = (P("x"), P(None, "x"), P(), P())
+
+
+def _ag_args():
+  k1, k2 = jax.random.split(fresh_key())
+  return _bf16(k1, (64, 256), 2.0), _bf16(k2, (256, 64), 0.1), jnp.float32(0.01), \
+      jnp.float32(0.002)
+
+
+def test_rewrite_ag_quantize_after_gather_delayed_scaling():
+  """all_gather(x) -> qdq (scale an input: delayed scaling) -> matmul: the shard is quantized
+  before the gather, e4m3 bytes are gathered, one fp8 GEMM; what jax.jit computes within the
+  formats' tolerance; the compiled program keeps no all-gather of the 16-bit value."""
+  def body(x, w, sx, sw):
+    return qdq(lax.all_gather(x, "x", axis=0, tiled=True), sx) @ qdq(w, sw)
+
+  report, got, want, fused = _rewrite(body, AG_SPECS, P(None, "x"), _ag_args())
+  (m,) = report.matches
+  assert m.status == "fused" and m.kind == "ag_matmul" and m.dtype == "e4m3xe4m3->bfloat16"
+  assert "quantized before the gather" in m.note and "e4m3 bytes" in m.note
+  assert rel_err(got, want) <= fp8.gemm_tolerance(256, jnp.bfloat16)
+  hlo = fused.lower(*_ag_args()).compile().as_text()
+  assert "all-gather" not in hlo  # the ring's ppermutes move the fp8 shard
+
+
+def test_rewrite_ag_current_scaling_reduces_the_amax_over_the_group():
+  """The scale from the gathered value's amax (current scaling): the amax becomes the pmax of
+  the shards' amaxes, so the 16-bit gather goes."""
+  def body(x, w, sx, sw):
+    g = lax.all_gather(x, "x", axis=0, tiled=True)
+    s = jnp.max(jnp.abs(g)).astype(jnp.float32) / 448.0
+    return qdq(g, s) @ qdq(w, sw)
+
+  args = _ag_args()
+  report, got, want, fused = _rewrite(body, AG_SPECS, P(None, "x"), args)
+  (m,) = report.matches
+  assert m.status == "fused" and "amax is the max over 'x'" in m.note
+  assert rel_err(got, want) <= fp8.gemm_tolerance(256, jnp.bfloat16)
+  hlo = fused.lower(*args).compile().as_text()
+  assert "all-gather" not in hlo and "all-reduce" in hlo
+
+
+def test_rewrite_ag_direct_fp8_and_dequantized_before_the_gather():
+  """The direct form (gather of an fp8 value, dot_general of fp8 operands, the scales applied
+  to the result) and a dequantized shard gathered (its fp8 source is gathered instead)."""
+  k1, k2 = jax.random.split(fresh_key())
+  q, qw = quantized(k1, (64, 256), E4), quantized(k2, (256, 64), E4, 0.5)
+  s = jnp.float32(0.01)
+
+  def direct(q, qw, s):
+    g = lax.all_gather(q, "x", axis=0, tiled=True)
+    return (lax.dot_general(g, qw, DN, preferred_element_type=jnp.float32) * s
+            ).astype(jnp.bfloat16)
+
+  report, got, want, _ = _rewrite(direct, (P("x"), P(None, "x"), P()), P(None, "x"), (q, qw, s))
+  assert [m.status for m in report.matches] == ["fused"]
+  assert "gather moves e4m3 bytes" in report.matches[0].note
+  assert rel_err(got, want) <= fp8.gemm_tolerance(256, jnp.bfloat16)
+
+  def before(x, w, sx, sw):
+    return lax.all_gather(qdq(x, sx), "x", axis=0, tiled=True) @ qdq(w, sw)
+
+  report, got, want, _ = _rewrite(before, AG_SPECS, P(None, "x"), _ag_args())
+  (m,) = report.matches
+  assert m.status == "fused" and "source of the dequantized shard" in m.note
+  assert m.dtype == "e4m3xe4m3->bfloat16"
+  assert rel_err(got, want) <= fp8.gemm_tolerance(256, jnp.bfloat16)
+
+
+def test_rewrite_rs_fp8_forms():
+  """matmul -> psum_scatter in both forms: qdq operands, and an fp8 dot_general scaled before
+  the scatter; the partial products are summed in bf16 (explain says so)."""
+  k1, k2 = jax.random.split(fresh_key())
+  x, w = _bf16(k1, (64, 256), 2.0), _bf16(k2, (256, 64), 0.1)
+  sx, sw = jnp.float32(0.01), jnp.float32(0.002)
+  specs = (P(None, "x"), P("x"), P(), P())
+
+  def qdq_rs(x, w, sx, sw):
+    return lax.psum_scatter(qdq(x, sx) @ qdq(w, sw), "x", scatter_dimension=0, tiled=True)
+
+  def direct_rs(x, w, sx, sw):
+    q, qw = (x / sx.astype(x.dtype)).astype(E5), (w / sw.astype(w.dtype)).astype(E4)
+    y = lax.dot_general(q, qw, DN, preferred_element_type=jnp.bfloat16)
+    return lax.psum_scatter(y * (sx * sw).astype(jnp.bfloat16), "x", scatter_dimension=0,
+                            tiled=True)
+
+  for body, dtypes in ((qdq_rs, "e4m3xe4m3"), (direct_rs, "e5m2xe4m3")):
+    report, got, want, _ = _rewrite(body, specs, P("x"), (x, w, sx, sw))
+    (m,) = report.matches
+    assert m.status == "fused" and m.kind == "matmul_rs"
+    assert m.dtype == f"{dtypes}->bfloat16"
+    assert "summed in bfloat16" in m.note and "never in fp8" in m.note
+    assert rel_err(got, want) <= fp8.gemm_tolerance(64, jnp.bfloat16, partials=4)
+
+
+def test_rewrite_skips_scales_that_are_not_per_tensor_and_half_fp8_matmuls():
+  k1, k2 = jax.random.split(fresh_key())
+  x, w = _bf16(k1, (64, 256)), _bf16(k2, (256, 64))
+  s = jnp.float32(0.01)
+
+  def row_scaled(x, w, s):  # per-row scales of the gathered activations
+    g = lax.all_gather(x, "x", axis=0, tiled=True)
+    r = jnp.max(jnp.abs(g), axis=1, keepdims=True) / 448
+    return ((g / r).astype(E4).astype(jnp.bfloat16) * r) @ qdq(w, s)
+
+  def one_fp8(x, w, s):  # fp8 activations, 16-bit weights
+    g = lax.all_gather((x / s.astype(x.dtype)).astype(E4), "x", axis=0, tiled=True)
+    return lax.dot_general(g, w, DN, preferred_element_type=jnp.bfloat16)
+
+  def rs_row_scaled(x, w, s):  # an fp8 product scaled per row before the scatter
+    q, qw = x.astype(E4), w.astype(E4)
+    y = lax.dot_general(q, qw, DN, preferred_element_type=jnp.bfloat16)
+    r = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    return lax.psum_scatter(y * r, "x", scatter_dimension=0, tiled=True)
+
+  for body, specs, out, code in (
+      (row_scaled, (P("x"), P(None, "x"), P()), P(None, "x"), "fp8_scale_layout"),
+      (one_fp8, (P("x"), P(None, "x"), P()), P(None, "x"), "fp8_one_operand"),
+      (rs_row_scaled, (P(None, "x"), P("x"), P()), P("x"), "fp8_scale_layout")):
+    report, got, want, _ = _rewrite(body, specs, out, (x, w, s))
+    (m,) = report.matches
+    assert m.status == "skipped" and m.code == code, (body.__name__, m)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def _flax_body(x, w1, w2, s, h):
+  """A sequence-parallel MLP block with Flax's fp8 dot (fp8_ops.fp8_scaled_dot_general: e4m3
+  forward, e5m2 gradients, delayed scaling from amax histories)."""
+  from flax.linen import fp8_ops
+  def dot(a, b, i):
+    return fp8_ops.fp8_scaled_dot_general(
+        a, b, DN, preferred_element_type=jnp.bfloat16, lhs_scale=s[i], rhs_scale=s[i + 1],
+        grad_scale=s[i + 2], lhs_amax_history=h[i], rhs_amax_history=h[i + 1],
+        grad_amax_history=h[i + 2], quantize_compute_type=jnp.bfloat16)
+  g = lax.all_gather(x, "x", axis=0, tiled=True)
+  z = dot(jax.nn.relu(dot(g, w1, 0)), w2, 3)
+  return lax.psum_scatter(z, "x", scatter_dimension=0, tiled=True)
+
+
+def test_rewrite_flax_fp8_ops_forward_and_backward():
+  """Flax's fp8 ops in a TP+SP block under jax.grad: forward AG+GEMM and GEMM+RS in e4m3, and
+  the backward's AG+GEMM and GEMM+RS in e5m2 x e4m3 (Flax quantizes the gradients), all four
+  fused; gradients as jax.grad's within the fp8 formats' error.  Without differentiation the
+  custom_vjp-wrapped forward is matched as well."""
+  pytest.importorskip("flax")
+  mesh = cpu_mesh((4,), ("x",))
+  f = jax.shard_map(_flax_body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x"), P(), P()),
+                    out_specs=P("x"), check_vma=False)
+  k = jax.random.split(fresh_key(), 3)
+  args = (_bf16(k[0], (64, 128)), _bf16(k[1], (128, 256), 0.1), _bf16(k[2], (256, 128), 0.1),
+          jnp.full((6, 1), 0.01, jnp.float32), jnp.full((6, 16), 4.0, jnp.float32))
+  loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+  fused = ao.jit(loss, overlap_config=ao.OverlapConfig(impl="reference"))
+  step = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))
+  rows = [(m.phase, m.kind, m.status, m.dtype) for m in ao.explain(step, *args).matches]
+  assert rows == [("fwd", "ag_matmul", "fused", "e4m3xe4m3->bfloat16"),
+                  ("fwd", "matmul_rs", "fused", "e4m3xe4m3->bfloat16"),
+                  ("bwd", "ag_matmul", "fused", "e5m2xe4m3->bfloat16"),
+                  ("bwd", "matmul_rs", "fused", "e5m2xe4m3->bfloat16")]
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  for g, u in zip(step(*args), want):
+    assert rel_err(g, u) <= fp8.quantization_error(E5, E4)
+  primal = [(m.kind, m.status) for m in ao.explain(fused, *args).matches]
+  assert primal == [("ag_matmul", "fused"), ("matmul_rs", "fused")]
+
+
+def test_rewrite_explicit_sharding_fp8():
+  """Programs without shard_map: a dequantized sequence shard gathered by a reshard, a gather
+  implied by a matmul's out_sharding, a row-parallel matmul reduce-scattered; fp8 sources
+  gathered and multiplied, as jax.jit computes within the formats' error."""
+  from jax.sharding import AxisType, reshard
+  devices = jax.devices("cpu")[:4]
+  mesh = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Explicit,), devices=devices)
+
+  def gathered(x, w1, w2, s):
+    h = reshard(qdq(x, s[0]), P(None, None))
+    a = jnp.matmul(h, qdq(w1, s[1]))
+    return jnp.matmul(qdq(a, s[2]), qdq(w2, s[3]), out_sharding=P("tp", None))
+
+  def implied(x, w1, w2, s):
+    a = jnp.matmul(qdq(x, s[0]), qdq(w1, s[1]), out_sharding=P(None, "tp"))
+    return jnp.matmul(qdq(a, s[2]), qdq(w2, s[3]), out_sharding=P("tp", None))
+
+  with jax.set_mesh(mesh):
+    k = jax.random.split(fresh_key(), 3)
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    args = (put(_bf16(k[0], (64, 128)), P("tp", None)), put(_bf16(k[1], (128, 256), 0.1),
+            P(None, "tp")), put(_bf16(k[2], (256, 128), 0.1), P("tp", None)),
+            jnp.array([0.01, 0.001, 0.01, 0.001], jnp.float32))
+    for f in (gathered, implied):
+      fused = ao.jit(f, overlap_config=ao.OverlapConfig(impl="reference"))
+      rows = sorted((m.kind, m.status, m.dtype) for m in fused.explain(*args).matches)
+      assert rows == [("ag_matmul", "fused", "e4m3xe4m3->bfloat16"),
+                      ("matmul_rs", "fused", "e4m3xe4m3->bfloat16")], f.__name__
+      assert rel_err(fused(*args), jax.jit(f)(*args)) <= fp8.quantization_error(E4, E4)
