@@ -196,6 +196,34 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   assert_scratch_is_the_operand(ptx)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_loopback_programs_compile(op):
+  """bench --loopback --dtype float8_e4m3fn: the fused program (fp8 operands, b K-major, bf16
+  out), the Gluon engine alone and XLA's fp8 GEMM of the local work."""
+  from jax_autooverlap.bench import loopback as lb
+  from jax_autooverlap.bench.loopback.programs import engine_program, gemm_program
+  case = lb.Case(op, 1024, 1024, 1024, dtype="float8_e4m3fn")
+  cfg = select.default_kernel(jnp.float8_e4m3fn)
+  e4, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
+  specs = (jax.ShapeDtypeStruct(case.a_shape, e4), jax.ShapeDtypeStruct(case.b_shape, e4),
+           jax.ShapeDtypeStruct((2 * (lb.WORLD + 1),), np.uint32),
+           jax.ShapeDtypeStruct((1,), np.int32))
+  for engine in ("tl", "gluon"):
+    program = lb.fused_program(case, dataclasses.replace(cfg, engine=engine), 132,
+                               compute_capability=90, poison=True)
+    out = jax.eval_shape(program, *specs)
+    assert out.shape == case.out_shape and out.dtype == bf16
+    jax.export.export(program, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  gemm = (jax.ShapeDtypeStruct(case.local_gemm[:2], e4),
+          jax.ShapeDtypeStruct((case.local_gemm[2], case.local_gemm[1]), e4))
+  assert jax.eval_shape(gemm_program(case), *gemm).dtype == bf16
+  engine = engine_program(dataclasses.replace(cfg, engine="gluon"), 132, compute_capability=90,
+                          out_dtype=bf16)
+  jax.export.export(engine, platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*gemm)
+
+
 @pytest.mark.parametrize("trace", [False, True], ids=["plain", "trace"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_path, op, trace):

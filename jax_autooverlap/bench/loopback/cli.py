@@ -25,13 +25,13 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   verdict, else the default), with each engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
-  dtype = np_dtype(case.dtype)
+  dtype, out_dtype = np_dtype(case.dtype), np_dtype(case.out_dtype)
   if case.op == "ag":
     v = select.choose_ag(OverlapConfig(), device_kind, WORLD, case.m // WORLD, case.k,
-                         case.n // WORLD, dtype, dtype)
+                         case.n // WORLD, dtype, out_dtype)
   else:
     v = select.choose_rs(OverlapConfig(), device_kind, WORLD, case.m, case.k // WORLD, case.n,
-                         dtype, dtype)
+                         dtype, out_dtype)
   base = v.kernel or select.default_kernel(dtype)
   out = {}
   for engine in engines:
@@ -41,13 +41,23 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
       log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
     # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
-    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
-                             cfg)
+    why = select.unsupported(case.m // WORLD, case.local_gemm[1], case.local_gemm[2], dtype,
+                             out_dtype, cfg)
     if why is None:
       out[engine] = cfg
     else:
       log(f"{case.op} {case.label}: engine {engine} skipped: {why}")
   return out
+
+
+def max_rel_err(case: Case) -> float:
+  """The largest relative error a correct contestant has: MAX_REL_ERR, or for fp8 operands the
+  formats' bound (jax_autooverlap/fp8.py; the reference is the f32 product of the fp8 values)."""
+  from jax_autooverlap import fp8
+  if not case.fp8:
+    return MAX_REL_ERR
+  return fp8.gemm_tolerance(case.local_gemm[1], np_dtype(case.out_dtype),
+                            partials=WORLD if case.op == "rs" else 1)
 
 
 def kernel_names(engine: str, op: str) -> tuple[str, ...]:
@@ -65,10 +75,12 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
   configs = kernel_configs(case, device.device_kind, engines)
-  contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
+  contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   if "gluon" in configs:
-    contestants["engine_alone"] = (engine_program(configs["gluon"], num_sms), lb.gemm_args(),
-                                   ("gluon_gemm_kernel",))
+    contestants["engine_alone"] = (
+        engine_program(configs["gluon"], num_sms, out_dtype=np_dtype(case.out_dtype)),
+        lb.gemm_args(), ("gluon_gemm_kernel",))
+  tol = max_rel_err(case)
   variants = dict(configs)
   if case.op == "rs" and "gluon" in configs:
     variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
@@ -79,7 +91,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
       log(f"{case.op} {case.label} engine {engine} failed: {type(e).__name__}: {str(e)[:400]}")
       continue
-    ok = (checks[engine]["rel_err"] <= MAX_REL_ERR and checks[engine]["push_rel_err"] <= MAX_REL_ERR
+    ok = (checks[engine]["rel_err"] <= tol and checks[engine]["push_rel_err"] <= tol
           and checks[engine]["bit_identical_repeat"])
     log(f"{case.op} {case.label} engine {engine}: {checks[engine]} -> "
         f"{'ok' if ok else 'WRONG, not timed'}")
@@ -124,7 +136,9 @@ def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
     kind = lambda t: "local" if t < per_source else "peer"
   else:
     kind = lambda t: "own" if t >= (WORLD - 1) * per_source else "remote"
-  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
+  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True,
+                                          out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
+                           None),
           "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
   summaries, raw = {}, {}
   for name, (fn, args, k) in runs.items():
@@ -176,7 +190,9 @@ def parser() -> argparse.ArgumentParser:
                   help="one GPU standing in for a group of two (this mode)")
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                   help="global MxKxN of the two-GPU op, comma-separated (default: %(default)s)")
-  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16",
+                  help="operand dtype: bfloat16, float16, float32, or float8_e4m3fn / float8_e5m2 "
+                       "(fp8 operands, bf16 product, against XLA's fp8 GEMM; default: %(default)s)")
   ap.add_argument("--engines", default="tl,gluon",
                   help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
                        "only; default: %(default)s)")

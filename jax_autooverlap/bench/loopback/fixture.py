@@ -1,6 +1,10 @@
 """The loopback fixture: rank 0 of a group of two and its peer, both on one GPU, with the peer's
 data and arrival counters already in place in rank 0's workspace (what a second GPU would have
-pushed) and a second workspace absorbing rank 0's pushes."""
+pushed) and a second workspace absorbing rank 0's pushes.
+
+fp8 cases (dtype float8_e4m3fn / float8_e5m2): the operands are fp8, b is stored K-major
+([N, K]: what the fp8 kernels and cuBLASLt's fp8 GEMM read), the output and RS partials are
+bf16, and the table carries the epilogue scale (backends/launch.py's with_scale)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +24,7 @@ class Case:
   k: int
   n: int
   dtype: str = "bfloat16"
+  b_dtype: str = ""  # b's, where it differs (fp8: e.g. an e5m2 gradient times e4m3 weights)
 
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
@@ -35,8 +40,30 @@ class Case:
     return (self.m // WORLD, self.k) if self.op == "ag" else (self.m, self.k // WORLD)
 
   @property
+  def fp8(self) -> bool:
+    from jax_autooverlap import fp8
+    return fp8.is_fp8(np_dtype(self.dtype))
+
+  @property
+  def out_dtype(self) -> str:
+    """The product's dtype: the operands', bf16 for fp8 operands."""
+    return "bfloat16" if self.fp8 else self.dtype
+
+  @property
   def b_shape(self):
-    return (self.k, self.n // WORLD) if self.op == "ag" else (self.k // WORLD, self.n)
+    k, n = (self.k, self.n // WORLD) if self.op == "ag" else (self.k // WORLD, self.n)
+    return (n, k) if self.fp8 else (k, n)
+
+  @property
+  def piece_dtype(self) -> str:
+    """What a peer places in rank 0's workspace: a shard of a (ag), a partial output (rs)."""
+    return self.dtype if self.op == "ag" else self.out_dtype
+
+  @property
+  def scale(self) -> float:
+    """The epilogue scale of an fp8 case: 1/sqrt(local K) as a power of two (fp8 operands are
+    not pre-scaled by it, as bf16 ones are, which would leave them subnormal)."""
+    return 2.0 ** -round(np.log2(self.local_gemm[1]) / 2) if self.fp8 else 1.0
 
   @property
   def local_gemm(self):  # (M, K, N) of the GEMM one GPU computes
@@ -60,13 +87,13 @@ class Case:
 def piece_offset(case: Case, parity: int, src: int) -> int:
   """Byte offset of source rank `src`'s piece in parity slot `parity` of a workspace."""
   from jax_autooverlap.runtime import workspace
-  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
+  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.piece_dtype)).itemsize
   return workspace.buffer_offset(WORLD) + (parity * WORLD + src) * nbytes
 
 
 def workspace_bytes(case: Case) -> int:
   from jax_autooverlap.runtime import workspace
-  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
+  nbytes = int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.piece_dtype)).itemsize
   return workspace.required_bytes(WORLD, nbytes)
 
 
@@ -85,12 +112,15 @@ def rank0_workspace(case: Case, peer_piece: np.ndarray, err_address: int = 0) ->
   return host
 
 
-def address_table(ws_addresses) -> np.ndarray:
+def address_table(ws_addresses, scale: float | None = None) -> np.ndarray:
   """uint32 (lo, hi) of each rank's workspace, then a zero pair (backends/triton.py's layout:
-  the error record's address is in each workspace's header)."""
+  the error record's address is in each workspace's header), its first word the f32 bits of
+  the epilogue scale of fp8 kernels (backends/launch.py's with_scale)."""
   table = np.zeros(2 * (len(ws_addresses) + 1), np.uint32)
   for i, a in enumerate(ws_addresses):
     table[2 * i], table[2 * i + 1] = a & 0xFFFFFFFF, a >> 32
+  if scale is not None:
+    table[2 * len(ws_addresses)] = np.array([scale], np.float32).view(np.uint32)[0]
   return table
 
 
@@ -110,7 +140,9 @@ def read_workspace(ws, offset: int, shape, dtype):
   @jax.jit
   def read(w):
     raw = lax.slice(w, (offset,), (offset + nbytes,)).reshape(tuple(shape) + (dtype.itemsize,))
-    return lax.bitcast_convert_type(raw, dtype) if dtype.itemsize > 1 else raw.reshape(shape)
+    if dtype.itemsize == 1:
+      return lax.bitcast_convert_type(raw.reshape(shape), dtype)
+    return lax.bitcast_convert_type(raw, dtype)
   return np.asarray(read(ws))
 
 
@@ -118,10 +150,13 @@ def references(case: Case, a, b, peer):
   """(output, what rank 0 pushes to the peer) of the unfused computation, f32 accumulation."""
   import jax
   import jax.numpy as jnp
-  f32 = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
+  def f32(x, y):  # fp8: the f32 product of the exact (dequantized) values, scaled
+    if case.fp8:
+      x, y = x.astype(jnp.float32), y.astype(jnp.float32).T
+    return jnp.dot(x, y, preferred_element_type=jnp.float32) * case.scale
   if case.op == "ag":
     out = jax.jit(lambda a, b, p: f32(jnp.concatenate([a, p]), b))(a, b, peer)
-    return np.asarray(out), np.asarray(a)
+    return np.asarray(out), np.asarray(a.astype(jnp.float32))
   half = case.m // WORLD
   partial = jax.jit(f32)(a, b)
   out = partial[:half] + peer.astype(jnp.float32)
@@ -140,12 +175,13 @@ class Loopback:
     ka, kb, kp = jax.random.split(jax.random.key(seed), 3)
     put = lambda x: jax.device_put(x, device)
     self.a = put(jax.random.normal(ka, case.a_shape, np.float32).astype(dtype))
-    self.b = put((jax.random.normal(kb, case.b_shape, np.float32)
-                  / np.sqrt(case.b_shape[0])).astype(dtype))
+    b = jax.random.normal(kb, case.b_shape, np.float32)
+    self.b = put((b if case.fp8 else b / np.sqrt(case.b_shape[0])).astype(
+        np_dtype(case.b_dtype or case.dtype)))
     peer = jax.random.normal(kp, case.piece_shape, np.float32)
     if case.op == "rs":  # a partial product has the scale of one GPU's share of K
       peer = peer * np.sqrt(0.5)
-    self.peer = put(peer.astype(dtype))
+    self.peer = put(peer.astype(np_dtype(case.piece_dtype)))
     self.err_address = REGISTRY.error_record().device_address
     self.rank = put(jnp.zeros((1,), jnp.int32))
     self.ws0 = put(rank0_workspace(case, np.asarray(self.peer), self.err_address))
@@ -156,7 +192,8 @@ class Loopback:
   def _table(self, ws1):
     import jax
     addrs = (self.ws0.unsafe_buffer_pointer(), ws1.unsafe_buffer_pointer())
-    return jax.device_put(address_table(addrs), self.device)
+    scale = self.case.scale if self.case.fp8 else None
+    return jax.device_put(address_table(addrs, scale), self.device)
 
   def epoch(self) -> int:
     return int(read_workspace(self.ws0, 0, (1,), np.int32)[0])
@@ -178,7 +215,8 @@ class Loopback:
     parity = self.epoch() % 2
     got = np.asarray(program(a, self.b, self._table(ws1), self.rank))
     check_errors()
-    pushed = read_workspace(ws1, piece_offset(case, parity, 0), case.piece_shape, np_dtype(case.dtype))
+    pushed = read_workspace(ws1, piece_offset(case, parity, 0), case.piece_shape,
+                            np_dtype(case.piece_dtype))
     again = np.asarray(program(a, self.b, self.table, self.rank))
     return {"rel_err": rel_err(got, want_out), "push_rel_err": rel_err(pushed, want_push),
             "bit_identical_repeat": bool(np.array_equal(again, got))}
