@@ -233,12 +233,10 @@ def gluon_ag_gemm_kernel(
   # Descriptors are made once per CTA.  Here only those that do not depend on this call's
   # epoch, so the first tile (local, static: gluon_engine.first_tile) starts loading without
   # waiting for the rank -> table -> epoch chain; the producer and the mover make the others.
-  if eng.b_kmajor(dtype):  # b is [N, K]; the scale, like rank, is the consumers' (in flight)
+  if eng.b_kmajor(dtype):  # b is [N, K]
     b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-    scale = epilogue_scale(table_ptr, WORLD)
   else:
     b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-    scale = None
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
   # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
@@ -254,10 +252,12 @@ def gluon_ag_gemm_kernel(
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
+  consumers = (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
+               trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)
+  if eng.b_kmajor(dtype):  # fp8: the epilogue's scale, like rank, the consumers' (in flight)
+    consumers = consumers + (epilogue_scale(table_ptr, WORLD),)
   gl.warp_specialize([
-      (eng.compute_and_store, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                               tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE,
-                               scale)),
+      (eng.compute_and_store, consumers),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
