@@ -288,8 +288,8 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   assert_scratch_is_the_operand(ptx)
 
 
-@pytest.mark.parametrize("pair", [("float8_e5m2", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2")],
-                         ids=["e5m2xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("pair", [("float8_e5m2", "float8_e4m3fn"),
+                                  ("float8_e4m3fn", "float8_e5m2")], ids=["e5m2xe4m3", "e4m3xe5m2"])
 @pytest.mark.parametrize("engine", ["tl", "gluon"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_fp8_kernels_multiply_mixed_formats(monkeypatch, tmp_path, op, engine, pair):

@@ -6,5 +6,6 @@ from jax_autooverlap.rewrite.interpreter import Interpreter, RewriteError, regis
 from jax_autooverlap.rewrite.match import Match, Report
 from jax_autooverlap.rewrite.plan import Plan
 
-__all__ = ["Plan", "analyze", "collect", "forward_mode", "inline_fp8_calls", "make_jaxpr", "Interpreter", "RewriteError", "register_rule", "Match",
+__all__ = ["Plan", "analyze", "collect", "forward_mode", "inline_fp8_calls", "make_jaxpr",
+           "Interpreter", "RewriteError", "register_rule", "Match",
            "Report"]

@@ -340,9 +340,10 @@ class ShardMapMatcher:
              Reason("fp8_result", f"the fp8 matmul's result is {formats.name(out)}; the fused "
                     f"fp8 ops give {' or '.join(formats.FP8_OUT_DTYPES)}")
              if formats.name(out) not in formats.FP8_OUT_DTYPES else
-             Reason("fp8_one_operand", f"the gathered operand is fp8 ({formats.short(deq.source.aval.dtype)}"
-                    f"), the other ({formats.name(deqn.invars[1 - where[0]].aval.dtype)}) is "
-                    "not an fp8 value or its dequantization") if other is None else
+             Reason("fp8_one_operand", f"the gathered operand is fp8 "
+                    f"({formats.short(deq.source.aval.dtype)}), the other "
+                    f"({formats.name(deqn.invars[1 - where[0]].aval.dtype)}) is not an fp8 "
+                    "value or its dequantization") if other is None else
              other if isinstance(other, Reason) else None)
       if why is None and (choice is None or (choice[2] != "free" and where[1] == "free")):
         choice = (di, *where, other)
@@ -396,8 +397,8 @@ class ShardMapMatcher:
     else:
       quant = ", ".join(dict.fromkeys(op.name for k, op, _ in ops if k == "elementwise"))
       note = (f"fp8: the shard is quantized before the gather ({quant}), the gather moves "
-              f"{formats.short(deq.source.aval.dtype)} bytes; the per-tensor scales go to the GEMM's "
-              "epilogue")
+              f"{formats.short(deq.source.aval.dtype)} bytes; the per-tensor scales go to the "
+              "GEMM's epilogue")
     if amax:
       note += (f"; the gathered value's amax is the max over {base['axis_name']!r} of the "
                "shards' amaxes")
@@ -633,7 +634,8 @@ class ShardMapMatcher:
     fp8_info, fp8_reason = self._fp8_rs(ctx, dots, scales)
     if fp8_info is not None or fp8_reason is not None:
       lhs_dt, rhs_dt = ((fp8_info[0].source, fp8_info[1].source) if fp8_info else deqn.invars)
-      base["dtype"] = f"{formats.short(lhs_dt.aval.dtype)}x{formats.short(rhs_dt.aval.dtype)}->{base['dtype']}"
+      base["dtype"] = (f"{formats.short(lhs_dt.aval.dtype)}x{formats.short(rhs_dt.aval.dtype)}"
+                       f"->{base['dtype']}")
     intermediates = [e.outvars[0] for e in dots] + [ctx.jaxpr.eqns[i].outvars[0] for i in inner]
     signature = lambda chain: [(e.primitive.name, e.params) for e in chain]
     merge_reason = summed.merge_reason(dots) if len(dots) > 1 else None
@@ -702,8 +704,8 @@ class ShardMapMatcher:
     out = deqn.outvars[0].aval.dtype
     status, impl, reason = self._status(
         ctx, "matmul_rs", c.base["axis_name"], c.base["lhs_shape"], c.base["rhs_shape"],
-        c.op_idx, c.op_dim, c.dn, c.base["axis_size"], operand_dtype(lhs.aval.dtype, rhs.aval.dtype),
-        out)
+        c.op_idx, c.op_dim, c.dn, c.base["axis_size"],
+        operand_dtype(lhs.aval.dtype, rhs.aval.dtype), out)
     note = (f"fp8: one fp8 GEMM, the per-tensor scales in its epilogue; the partial products "
             f"are summed in {formats.name(out)} (the matmul's result dtype), never in fp8"
             if c.fp8 else "")
