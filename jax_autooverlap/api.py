@@ -31,7 +31,7 @@ import numpy as np
 from jax.tree_util import Partial
 
 from jax_autooverlap.rewrite import (Interpreter, Report, analyze, collect, forward_mode,
-                                     make_jaxpr, regions)
+                                     inline_fp8_calls, make_jaxpr, regions)
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig, as_overlap_config
 
@@ -49,7 +49,7 @@ def _rewrite_and_run(fn: Callable, args, config: OverlapConfig, function: str, k
       out_tree.append(tree)
       return out
 
-    closed = make_jaxpr(flat, *leaves)
+    closed = inline_fp8_calls(make_jaxpr(flat, *leaves))
     plan = analyze(closed, config)
     regions.record(name, function, plan.report)
     if plan.has_fused:

@@ -28,6 +28,11 @@ CODES = {
     "sum_not_mergeable": "the summed matmuls cannot be one GEMM",
     "communicates_besides": "the matmul communicates besides this collective",
     "impl_unavailable": "the forced implementation cannot run here",
+    "fp8_scale_layout": "an fp8 operand's scale is per row, column or block, not per tensor",
+    "fp8_one_operand": "one matmul operand is fp8 (or dequantized from fp8), the other is not",
+    "fp8_gathered_used": "the gathered value is also used unquantized: an fp8 gather would not "
+                         "replace it",
+    "fp8_result": "an fp8 matmul whose result is not bf16 or f32",
     "internal_error": "the library failed while rewriting this match (kept as written)",
     "outside_ao_jit": "outside every ao.jit function of the program: runs as written",
     # the planner: the fused op runs the unfused program (or cannot run the kernel)

@@ -90,9 +90,9 @@ def stand_in_kernels(monkeypatch) -> list:
     impls = registry.core(name).impls
     unfused = impls["unfused"].run
 
-    def run(a, b, cp, need_gathered, tag=tag, unfused=unfused):
+    def run(a, b, cp, need_gathered, scale=None, tag=tag, unfused=unfused):
       calls.append((tag, cp.gpu.kernel))
-      return unfused(a, b, cp, need_gathered)
+      return unfused(a, b, cp, need_gathered, scale)
 
     monkeypatch.setitem(impls, "triton", dataclasses.replace(impls["triton"], run=run))
   return calls

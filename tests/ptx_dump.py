@@ -7,16 +7,16 @@ Compile only (no GPU): each case is lowered as tests/test_kernel_compile.py lowe
 (jax.export for cuda, compute capability 90, jax-triton's dump directory) and its PTX is
 written to OUT_DIR/<case>.ptx, the case's name spelling out op, dtype, config, world and
 shape.  The cases: AG+GEMM (with and without the gathered output) and GEMM+RS, each config
-the tuner can return (select.default_kernel for bf16, f16 and f32, every shipped verdict
-with impl "triton", each 16-bit one on both engines, GEMM+RS on gluon with and without
-warpgroup partitions), worlds 2, 4 and 8, a large and a ragged shape; every other config a
-first-call measurement may time (`candidate_configs`: the fixed candidates of each group size,
-the shipped cost models' ranked configs at the group sizes they were fit on), at its group
-size, the large shape; the Gluon engine's GEMM alone (backends/gluon.launch_gemm, the
-benchmarks' configs); the timeline builds (trace=True); the loopback set-up kernel; and every
-config that an entry of the benchmark's shape list selects for small shapes
-(select.small_shape_configs: narrower tiles on both engines, split-K on tl), at the first
-entry that selects it.
+the tuner can return (select.default_kernel for bf16, f16, f32 and fp8 e4m3, every shipped
+verdict with impl "triton", each 16-bit and fp8 one on both engines, GEMM+RS on gluon with
+and without warpgroup partitions), worlds 2, 4 and 8, a large and a ragged shape; fp8 also
+with e5m2 x e4m3 operands (the backward's); every other config a first-call measurement may
+time (`candidate_configs`: the fixed candidates of each group size, the shipped cost models'
+ranked configs at the group sizes they were fit on), at its group size, the large shape; the
+Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs); the timeline
+builds (trace=True); the loopback set-up kernel; and every config that an entry of the
+benchmark's shape list selects for small shapes (select.small_shape_configs: narrower tiles on
+both engines, split-K on tl), at the first entry that selects it.
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -58,12 +58,12 @@ def tuner_configs(op: str) -> list:
   from jax_autooverlap.tuning import select, store
   from jax_autooverlap.tuning.config import KernelConfig
   out = {(np.dtype(d).name, select.default_kernel(d)) for d in (jnp.bfloat16, jnp.float16,
-                                                                np.float32)}
+                                                                np.float32, jnp.float8_e4m3fn)}
   for key, entry in store.shipped_entries().items():  # stale or not: re-measured, they may return
     if entry.get("impl") == "triton" and key.startswith(op + "|"):
       out.add((key.split("|")[-1], KernelConfig(**entry["kernel"])))
   for dtype, cfg in list(out):
-    if np.dtype(jnp.dtype(dtype)).itemsize == 2:
+    if np.dtype(jnp.dtype(dtype)).itemsize <= 2:
       for engine in ("tl", "gluon"):
         out.add((dtype, dataclasses.replace(cfg, engine=engine)))
         if op == "rs" and engine == "gluon":
@@ -73,8 +73,8 @@ def tuner_configs(op: str) -> list:
 
 def candidate_configs() -> list:
   """(op, dtype name, KernelConfig, world) of every config a first-call measurement may time
-  that tuner_configs does not list: select.default_candidates of each group size (sm_90, bf16
-  and f32), and the configs the shipped cost models rank (select.candidate_configs) at the
+  that tuner_configs does not list: select.default_candidates of each group size (sm_90, bf16,
+  f32 and fp8 e4m3), and the configs the shipped cost models rank (select.candidate_configs) at the
   group sizes and dtypes they were fit on."""
   import json
   import jax.numpy as jnp
@@ -84,7 +84,7 @@ def candidate_configs() -> list:
   out = set()
   for op in ("ag", "rs"):
     for world in WORLDS:
-      for dtype in (jnp.bfloat16, np.float32):
+      for dtype in (jnp.bfloat16, np.float32, jnp.float8_e4m3fn):
         out |= {(op, np.dtype(dtype).name, c, world)
                 for c in select.default_candidates(op, world, dtype, select.GLUON_CAPABILITY)}
     for path in sorted(store.DATA.glob("model_*.json")):
@@ -134,14 +134,20 @@ def cases():
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from jax_autooverlap import fp8
   from jax_autooverlap.backends import gluon, triton as tb
   from jax_autooverlap.tuning.config import KernelConfig
   spec = jax.ShapeDtypeStruct
   common = dict(timeout_s=1.0, num_sms=132, compute_capability=90)
 
-  def fused(op, dtype, cfg, world, shape, launch=None, **extra):
+  def fused(op, dtype, cfg, world, shape, launch=None, b_dtype=None, **extra):
+    """fp8 operands (b_dtype: b's, if not dtype): b is [N, K], the output bf16."""
     m, k, n = shape
     dt = jnp.dtype(dtype)
+    b_spec = spec((k, n), dt)
+    if fp8.is_fp8(dt):
+      b_spec = spec((n, k), jnp.dtype(b_dtype or dt))
+      dt = jnp.dtype(jnp.bfloat16)
     if op == "ag":
       launch = launch or tb.launch_ag_gemm
       f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
@@ -150,7 +156,7 @@ def cases():
       launch = launch or tb.launch_gemm_rs
       f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
                                          **common, **extra)
-    return f, (spec((m, k), dt), spec((k, n), dt), spec((2 * (world + 1),), np.uint32),
+    return f, (spec((m, k), jnp.dtype(dtype)), b_spec, spec((2 * (world + 1),), np.uint32),
                spec((1,), np.int32))
 
   for op in ("ag", "rs"):
@@ -164,6 +170,10 @@ def cases():
                      *fused(op, dtype, cfg, world, shape, return_gathered=gathered))
           else:
             yield base, *fused(op, dtype, cfg, world, shape)
+          if fp8.is_fp8(dtype) and world == 2:  # the backward's e5m2 x e4m3
+            yield (f"{op}-float8_e5m2xfloat8_e4m3fn-{_cfg_name(cfg)}-world{world}-{shape_name}",
+                   *fused(op, jnp.float8_e5m2, cfg, world, shape, b_dtype=jnp.float8_e4m3fn,
+                          **({"return_gathered": False} if op == "ag" else {})))
 
   for op, dtype, cfg, world in candidate_configs():
     name = f"{op}-{dtype}-{_cfg_name(cfg)}-world{world}-large-candidate"
@@ -175,15 +185,18 @@ def cases():
     yield (f"{op}-bfloat16-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
            *fused(op, bf16, cfg, world, shape, **extra))
 
-  for dtype in (jnp.bfloat16, jnp.float16):
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
     dt = jnp.dtype(dtype)
+    out = bf16 if fp8.is_fp8(dt) else dt
     for fields in GEMM_CONFIGS:
       cfg = KernelConfig(engine="gluon", **fields)
+      if fp8.is_fp8(dt):
+        cfg = dataclasses.replace(cfg, block_k=128)
       for shape_name, (m, k, n) in GEMM_SHAPES.items():
-        f = lambda a, b, cfg=cfg, dt=dt: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=dt,
-                                                           num_sms=132, compute_capability=90)
+        f = lambda a, b, cfg=cfg, out=out: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=out,
+                                                             num_sms=132, compute_capability=90)
         yield (f"gemm-{dt.name}-{_cfg_name(cfg)}-{shape_name}", f,
-               (spec((m, k), dt), spec((k, n), dt)))
+               (spec((m, k), dt), spec((n, k) if fp8.is_fp8(dt) else (k, n), dt)))
 
   # timeline builds (the loopback benchmark's --trace): the Gluon launchers themselves
   gcfg = KernelConfig(engine="gluon")

@@ -1,5 +1,5 @@
 """The package's imports flow one way: api -> rewrite -> ops -> backends -> kernels, with
-tuning and runtime below them and the leaves (_compat, reasons) at the bottom; bench sits
+tuning and runtime below them and the leaves (_compat, reasons, fp8) at the bottom; bench sits
 beside (it may import anything; nothing imports it).  No import circles, lazy imports too."""
 import ast
 import pathlib
@@ -9,7 +9,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parent.parent / "jax_autooverlap"
 # Higher imports lower; equal ranks only within one sub-package.
 RANKS = {"demo": 9, "bench": 8, "": 7, "api": 6, "rewrite": 5, "ops": 4, "backends": 3,
-         "kernels": 2, "tuning": 1, "runtime": 1, "_compat": 0, "reasons": 0}
+         "kernels": 2, "tuning": 1, "runtime": 1, "_compat": 0, "reasons": 0, "fp8": 0}
 
 
 def _modules():

@@ -25,6 +25,7 @@ gpu_triton = pytest.importorskip("jax._src.lib").gpu_triton
 if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
+from jax_autooverlap import fp8  # noqa: E402
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
@@ -41,6 +42,16 @@ _ID = lambda dc: (f"{dc[0]}-{dc[1].engine}-{dc[1].block_m}x{dc[1].block_n}x{dc[1
                   f"-c{dc[1].chunks}-m{dc[1].num_comm}")
 
 
+def _check_dtype(ptx, dtype):
+  """fp8 kernels multiply on the fp8 tensor cores (wgmma k32, e4m3 x e4m3) and scale their
+  product in the epilogue; the 16-bit ones have no fp8 wgmma."""
+  if fp8.is_fp8(dtype):
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx), \
+        "fp8 kernel without fp8 wgmma"
+  else:
+    assert ".e4m3" not in ptx and ".e5m2" not in ptx
+
+
 def _check_engine(ptx, cfg):
   if cfg.engine == "gluon":
     assert "setmaxnreg" in ptx, "Gluon kernel lost its warp specialisation (register reallocation)"
@@ -51,20 +62,25 @@ def _check_engine(ptx, cfg):
     assert "setmaxnreg" not in ptx
 
 
-def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag"):
+def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag",
+         b_dtype=None):
+  """fp8 dtype: b (of b_dtype, default dtype) is [N, K], the output bf16."""
   from jax_autooverlap._compat import import_jax_triton
   import_jax_triton()
   from jax_triton import triton_lib
   monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))  # read at import time
+  out = jnp.dtype(jnp.bfloat16) if fp8.is_fp8(dtype) else dtype
   if op == "ag":
     f = lambda a, b, row, rank: launch_ag_gemm(
-        a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, return_gathered=return_gathered,
+        a, b, row, rank, world=world, kernel=cfg, out_dtype=out, return_gathered=return_gathered,
         timeout_s=1.0, num_sms=132, compute_capability=90)
   else:
     f = lambda a, b, row, rank: launch_gemm_rs(
-        a, b, row, rank, world=world, kernel=cfg, out_dtype=dtype, timeout_s=1.0, num_sms=132,
+        a, b, row, rank, world=world, kernel=cfg, out_dtype=out, timeout_s=1.0, num_sms=132,
         compute_capability=90)
-  specs = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype),
+  b_spec = (jax.ShapeDtypeStruct((n, k), jnp.dtype(b_dtype or dtype)) if fp8.is_fp8(dtype)
+            else jax.ShapeDtypeStruct((k, n), dtype))
+  specs = (jax.ShapeDtypeStruct((m, k), dtype), b_spec,
            jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
   jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
       jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
@@ -97,6 +113,7 @@ def _check_ag(ptx, cfg):
     assert "st.global.v4" in ptx or "st.global.v2" in ptx, "peer copies are not vectorised"
   assert_scratch_is_the_operand(ptx)
   _check_engine(ptx, cfg)
+  _check_dtype(ptx, dtype)
 
 
 def _check_rs(ptx, cfg):
@@ -108,6 +125,7 @@ def _check_rs(ptx, cfg):
   assert "%globaltimer" in ptx, "waits are no longer bounded"
   assert_scratch_is_the_operand(ptx)
   _check_engine(ptx, cfg)
+  _check_dtype(ptx, dtype)
   if cfg.engine == "gluon":  # pushes are TMA stores: written (not only read) before the release
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, "pushes are not TMA stores"
     assert "cp.async.bulk.wait_group 0;" in ptx, "no full TMA-store completion wait before release"
@@ -155,17 +173,20 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
   assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-def _gluon_program(kind, m, k, n, **launch):
+def _gluon_program(kind, m, k, n, dtype=jnp.bfloat16, **launch):
   """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm
   (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2, this GPU's
-  operands [m, k] and [k, n]), with _64: 64-row tiles; launch: further launcher arguments."""
+  operands [m, k] and [k, n]; fp8 dtype: b is [n, k], the output bf16, K tiles of 128), with
+  _64: 64-row tiles; launch: further launcher arguments."""
   from jax_autooverlap.backends import gluon
-  bf16 = jnp.dtype(jnp.bfloat16)
+  bf16, dt = jnp.dtype(jnp.bfloat16), jnp.dtype(dtype)
   rows = dict(block_m=64, num_warps=4) if kind.endswith("_64") else {}
-  kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"), **rows)
+  kernel = KernelConfig(engine="gluon", wg_partitions=kind.endswith("_wg"),
+                        block_k=128 if fp8.is_fp8(dt) else 64, **rows)
   kind = kind.removesuffix("_64")
   common = dict(kernel=kernel, out_dtype=bf16, num_sms=132, compute_capability=90, **launch)
-  specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16)]
+  specs = [jax.ShapeDtypeStruct((m, k), dt),
+           jax.ShapeDtypeStruct((n, k) if fp8.is_fp8(dt) else (k, n), dt)]
   if kind == "gemm":
     return (lambda a, b: gluon.launch_gemm(a, b, **common)), specs
   launch_op = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
@@ -197,6 +218,34 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_loopback_programs_compile(op):
+  """bench --loopback --dtype float8_e4m3fn: the fused program (fp8 operands, b K-major, bf16
+  out), the Gluon engine alone and XLA's fp8 GEMM of the local work."""
+  from jax_autooverlap.bench import loopback as lb
+  from jax_autooverlap.bench.loopback.programs import engine_program, gemm_program
+  case = lb.Case(op, 1024, 1024, 1024, dtype="float8_e4m3fn")
+  cfg = select.default_kernel(jnp.float8_e4m3fn)
+  e4, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
+  specs = (jax.ShapeDtypeStruct(case.a_shape, e4), jax.ShapeDtypeStruct(case.b_shape, e4),
+           jax.ShapeDtypeStruct((2 * (lb.WORLD + 1),), np.uint32),
+           jax.ShapeDtypeStruct((1,), np.int32))
+  for engine in ("tl", "gluon"):
+    program = lb.fused_program(case, dataclasses.replace(cfg, engine=engine), 132,
+                               compute_capability=90, poison=True)
+    out = jax.eval_shape(program, *specs)
+    assert out.shape == case.out_shape and out.dtype == bf16
+    jax.export.export(program, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+  gemm = (jax.ShapeDtypeStruct(case.local_gemm[:2], e4),
+          jax.ShapeDtypeStruct((case.local_gemm[2], case.local_gemm[1]), e4))
+  assert jax.eval_shape(gemm_program(case), *gemm).dtype == bf16
+  engine = engine_program(dataclasses.replace(cfg, engine="gluon"), 132, compute_capability=90,
+                          out_dtype=bf16)
+  jax.export.export(engine, platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*gemm)
 
 
 @pytest.mark.parametrize("trace,world", [(False, 2), (True, 2), (False, 8)],
@@ -238,13 +287,16 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
   return run.stdout + run.stderr
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("kind", ["gemm", "ag", "rs", "rs_wg", "gemm_64"])
-def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind):
+def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind,
+                                                               dtype):
   """Every Gluon kernel, default config (gemm_64: the engine alone with 64-row tiles), a large
-  shape: ptxas reports no spills and does not serialize the wgmma for lack of registers
-  (warning C7512), which a kernel can compile with and run correctly but slowly (seen on a
-  GEMM+RS variant, docs/NOTES.md)."""
-  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program(kind, 8192, 4096, 4096))
+  shape, 16-bit and fp8 operands: ptxas reports no spills and does not serialize the wgmma for
+  lack of registers (warning C7512), which a kernel can compile with and run correctly but
+  slowly (seen on a GEMM+RS variant, docs/NOTES.md)."""
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump",
+                      *_gluon_program(kind, 8192, 4096, 4096, dtype=jnp.dtype(dtype)))
   report = _ptxas_report(ptx, tmp_path)
   assert "C7512" not in report and "serialized" not in report, report
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
@@ -305,3 +357,33 @@ def test_small_tiles_compile_for_a_group_of_8(monkeypatch, tmp_path, op, cfg):
   assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
   _check_engine(ptx, cfg)
+
+
+@pytest.mark.parametrize("pair", [("float8_e5m2", "float8_e4m3fn"),
+                                  ("float8_e4m3fn", "float8_e5m2")], ids=["e5m2xe4m3", "e4m3xe5m2"])
+@pytest.mark.parametrize("engine", ["tl", "gluon"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_kernels_multiply_mixed_formats(monkeypatch, tmp_path, op, engine, pair):
+  """e5m2 x e4m3 (a backward pass: the gradient times a weight) and e4m3 x e5m2 operands: one
+  wgmma of that pairing (k32), TMA loads, the release/acquire protocol; b K-major ([N, K])."""
+  cfg = dataclasses.replace(select.default_kernel(jnp.float8_e4m3fn), engine=engine)
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(pair[0]), cfg, 1024, 2048, 1536, world=2,
+             return_gathered=(op == "ag"), op=op, b_dtype=pair[1])
+  a, b = map(fp8.short, pair)
+  assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.{a}\.{b}", ptx), \
+      "no wgmma of this fp8 pairing"
+  assert "cp.async.bulk.tensor" in ptx
+  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
+  assert_scratch_is_the_operand(ptx)
+
+
+@pytest.mark.parametrize("engine", ["tl", "gluon"])
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, engine):
+  cfg = dataclasses.replace(select.default_kernel(jnp.float8_e4m3fn), engine=engine)
+  ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(jnp.float8_e4m3fn), cfg,
+             1024 if op == "ag" else 4096, 2048, 3072, world=world, return_gathered=(op == "ag"),
+             op=op)
+  _check_dtype(ptx, jnp.float8_e4m3fn)
+  assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx

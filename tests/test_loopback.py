@@ -43,6 +43,24 @@ def test_local_gemm_in_larger_groups_is_a_tp_ranks_gemm(world):
   assert rs.piece_shape == rs.out_shape
 
 
+def test_fp8_case_stores_b_k_major_and_scales_in_the_epilogue():
+  """fp8 (bench --dtype float8_e4m3fn): b as [N, K] (what fp8 wgmma and cuBLASLt read), bf16
+  products and RS partials, the epilogue scale (1/sqrt(local K), a power of two) in the
+  table's spare word."""
+  ag = fixture.Case("ag", 4096, 8192, 8192, dtype="float8_e4m3fn")
+  assert ag.fp8 and ag.out_dtype == "bfloat16" and ag.piece_dtype == "float8_e4m3fn"
+  assert (ag.a_shape, ag.b_shape) == ((2048, 8192), (4096, 8192))
+  rs = fixture.Case("rs", 4096, 8192, 8192, dtype="float8_e5m2", b_dtype="float8_e4m3fn")
+  assert rs.b_shape == (8192, 4096) and rs.piece_dtype == "bfloat16"
+  assert ag.scale == 2.0 ** -6 and rs.scale == 2.0 ** -6 and fixture.Case("ag", 8, 8, 8).scale == 1
+  table = fixture.address_table([0x1_0000_0010, 0x2_0000_0020], scale=ag.scale)
+  assert table[4].view(np.float32) == ag.scale and table[5] == 0
+  assert fixture.workspace_bytes(rs) == workspace.required_bytes(2, 2048 * 8192 * 2)
+  assert 0 < cli.max_rel_err(rs) < cli.max_rel_err(ag) < 0.1  # rs: half the K, two partials
+  cfgs = cli.kernel_configs(ag, "NVIDIA H200", ["tl", "gluon"])
+  assert [(c.engine, c.block_k) for c in cfgs.values()] == [("tl", 128), ("gluon", 128)]
+
+
 def test_case_rejects_shapes_the_group_cannot_split():
   with pytest.raises(ValueError, match="n=4097 must be divisible by the group size 2"):
     fixture.Case("ag", 4096, 8192, 4097)

@@ -18,7 +18,7 @@ import math
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
-from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
+from jax_autooverlap.backends.launch import ag_grid, b_cols, kernel_constants, rs_grid
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -60,7 +60,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
-  n = b.shape[1]
+  n = b_cols(a, b)
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, timeline, _ = jt.triton_call(
@@ -79,14 +79,15 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
                 compute_capability: int | None = None, trace: bool = False):
-  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks)."""
+  """The engine alone: a[M, K] @ b[K, N] (no communication; GPU tests and benchmarks; fp8
+  operands: b is [N, K] and the product is not scaled)."""
   if kernel.wg_partitions:
     raise ValueError("launch_gemm: wg_partitions=True; warpgroup partitions exist for GEMM+RS "
                      "only (launch_gemm_rs)")
   from jax_autooverlap.kernels.gluon_gemm import gluon_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
-  n = b.shape[1]
+  n = b_cols(a, b)
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
   out, timeline, _ = jt.triton_call(
@@ -112,7 +113,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   from jax_autooverlap.kernels.gluon_gemm_rs import gluon_gemm_rs_kernel
   jt = import_jax_triton()
   m, k = a.shape
-  n = b.shape[1]
+  n = b_cols(a, b)
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
   out, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",

@@ -1,8 +1,14 @@
 """Launch geometry both engines' launchers share (backends/triton.py, backends/gluon.py): the
-grids of the fused kernels and the compile-time constants every fused kernel takes."""
+grids of the fused kernels, the compile-time constants every fused kernel takes, and the
+layout of fp8 operands."""
 from __future__ import annotations
 
 import math
+
+import numpy as np
+from jax import lax
+
+from jax_autooverlap import fp8
 
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
@@ -62,3 +68,16 @@ def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   m_out = m // world
   tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
   return m_out, tm, tn, min(num_sms, world * tm * tn * kernel.split_k)
+
+
+def b_cols(a, b) -> int:
+  """N of a launch's b: fp8 kernels take b K-major as [N, K] (wgmma reads fp8 B K-major only),
+  the others [K, N]."""
+  return b.shape[0] if fp8.is_fp8(a.dtype) else b.shape[1]
+
+
+def with_scale(table_row, scale, world: int):
+  """An fp8 launch's table row with the f32 bits of its epilogue scale in the first word of the
+  last pair (kernels/sync.py's epilogue_scale reads it; the word is otherwise unused)."""
+  bits = lax.bitcast_convert_type(lax.convert_element_type(scale, np.float32), np.uint32)
+  return table_row.at[2 * world].set(bits.reshape(()))

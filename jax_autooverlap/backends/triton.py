@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import ag_grid, kernel_constants, partials_type, rs_grid
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, partials_type,
+                                             rs_grid, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -56,8 +58,9 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                    compute_capability: int | None = None, poison: bool = False):
   """The kernel call itself: a[m, K], b[K, N], table_row uint32[2*(world+1)], rank int32[1].
 
-  poison (tests): zero the outputs before the launch, so that elements the
-  kernel fails to write show up as exact zeros.
+  fp8 operands: b is [N, K] (launch.b_cols) and table_row carries the epilogue scale
+  (launch.with_scale).  poison (tests): zero the outputs before the launch, so that elements
+  the kernel fails to write show up as exact zeros.
   """
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_ag_gemm(a, b, table_row, rank, world=world, kernel=kernel,
@@ -68,7 +71,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
 
   m, k = a.shape
-  n = b.shape[1]
+  n = b_cols(a, b)
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _, _ = jt.triton_call(
@@ -103,13 +106,23 @@ def _as_varying_like(x, inputs, axis_name):
   return vary_over(x, set().union(*map(varying_axes, inputs)) | {axis_name})
 
 
+def _fp8_operands(a, b, row, world: int, scale):
+  """b K-major and the scale in the table row where the operands are fp8 (scale None: 1)."""
+  if not fp8.is_fp8(a.dtype):
+    return b, row
+  scale = jnp.ones((), jnp.float32) if scale is None else scale
+  return b.T, with_scale(row, scale, world)
+
+
 def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_gathered: bool,
-            timeout_s: float, poison: bool = False):
-  """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]."""
+            timeout_s: float, poison: bool = False, scale=None):
+  """all_gather(a, rows) @ b on a group of GPUs; a[m, K], b[K, N] per device -> out[world*m, N]
+  (fp8 operands: times scale, f32[])."""
   m, k = a.shape
   nbytes = workspace.kernel_bytes("ag_rows", mesh.shape[axis_name], m, k, b.shape[1], a.dtype,
                                   out_dtype)
   row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
+  b, row = _fp8_operands(a, b, row, world, scale)
   op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
   res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
@@ -123,7 +136,8 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False):
-  """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group)."""
+  """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group;
+  fp8 operands: as launch_ag_gemm)."""
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_gemm_rs(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, timeout_s=timeout_s, num_sms=num_sms,
@@ -132,7 +146,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
 
   m, k = a.shape
-  n = b.shape[1]
+  n = b_cols(a, b)
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
   out, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
@@ -148,12 +162,14 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
 
 def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s: float,
-            poison: bool = False):
-  """psum_scatter(a @ b, rows) on a group of GPUs; a[M, K], b[K, N] per device -> [M/world, N]."""
+            poison: bool = False, scale=None):
+  """psum_scatter(a @ b, rows) on a group of GPUs; a[M, K], b[K, N] per device -> [M/world, N]
+  (fp8 operands: each GPU's partial times its scale, f32[])."""
   m, k = a.shape
   n = b.shape[1]
   nbytes = workspace.kernel_bytes("rs_rows", mesh.shape[axis_name], m, k, n, a.dtype, out_dtype)
   row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
+  b, row = _fp8_operands(a, b, row, world, scale)
   op_id = register_op(f"matmul_rs over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, n]}, {np.dtype(a.dtype).name})")
   out = launch_gemm_rs(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,

@@ -30,6 +30,7 @@ import pathlib
 import subprocess
 import sys
 
+from jax_autooverlap import fp8
 from jax_autooverlap.bench import common
 from jax_autooverlap.tuning.autotune import time_call
 
@@ -42,25 +43,56 @@ log = common.logger("bench")
 
 
 def _inputs(mesh, m, k, n, dtype, x_spec=None, w_spec=None, seed=100, sets=3):
-  """`sets` fresh random (x[m, k], w[k, n]) pairs with the given shardings."""
+  """`sets` fresh random (x[m, k], w[k, n]) pairs with the given shardings; fp8: w is stored
+  K-major, as w^T [n, k] (w_spec names the [k, n] dims; what fp8 GEMMs read), unscaled."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   x_spec = P("x") if x_spec is None else x_spec
   w_spec = P(None, "x") if w_spec is None else w_spec
+  low = fp8.is_fp8(dtype)
   out = []
   for s in range(sets):
     k1, k2 = jax.random.split(jax.random.key(seed + s))
     x = jax.device_put(jax.random.normal(k1, (m, k), np.float32).astype(dtype),
                        NamedSharding(mesh, x_spec))
-    w = jax.device_put((jax.random.normal(k2, (k, n), np.float32) / np.sqrt(k)).astype(dtype),
-                       NamedSharding(mesh, w_spec))
+    w = jax.random.normal(k2, (n, k) if low else (k, n), np.float32)
+    w = (w if low else w / np.sqrt(k)).astype(dtype)
+    w = jax.device_put(w, NamedSharding(mesh, _transposed(w_spec) if low else w_spec))
     out.append((x, w))
   return out
 
 
-def _best_of(program, arg_sets, want, iters, sweep):
-  """Time ao.jit(program) under each kernel config; keep the fastest correct, deterministic one."""
+def _transposed(spec):
+  """The PartitionSpec of a 2-D array's transpose."""
+  from jax.sharding import PartitionSpec as P
+  dims = tuple(spec) + (None,) * (2 - len(spec))
+  return P(dims[1], dims[0])
+
+
+def _matmul(dtype):
+  """The local matmul of the programs: x @ w, or for fp8 operands the fp8 GEMM x @ (w^T)^T into
+  bf16 (XLA: cuBLASLt's fp8 GEMM)."""
+  import jax.numpy as jnp
+  from jax import lax
+  if fp8.is_fp8(dtype):
+    return lambda x, wt: lax.dot_general(x, wt, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.bfloat16)
+  return lambda x, w: x @ w
+
+
+def _tolerance(dtype, k: int, partials: int = 1) -> float:
+  """Largest relative error of a correct result against the unfused one: 2e-2, or for fp8
+  operands twice the formats' bound (both are that close to the exact product)."""
+  import jax.numpy as jnp
+  if not fp8.is_fp8(dtype):
+    return 2e-2
+  return 2 * fp8.gemm_tolerance(k, jnp.bfloat16, partials)
+
+
+def _best_of(program, arg_sets, want, iters, sweep, tol=2e-2):
+  """Time ao.jit(program) under each kernel config; keep the fastest correct (relative error
+  at most tol), deterministic one."""
   import numpy as np
 
   import jax_autooverlap as ao
@@ -77,7 +109,7 @@ def _best_of(program, arg_sets, want, iters, sweep):
       continue
     log(f"  ours {cfg.engine} chunks={cfg.chunks} comm={cfg.num_comm} "
         f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} {t:.3f} ms (rel err {err:.1e}, bit-identical repeat {repeat})")
-    if err > 2e-2 or not repeat:
+    if err > tol or not repeat:
       log("  -> wrong or non-deterministic result, not counted")
       continue
     if best is None or t < best[0]:
@@ -85,7 +117,7 @@ def _best_of(program, arg_sets, want, iters, sweep):
   return best
 
 
-def _unfused_and_ours(program, arg_sets, iters, sweep, label):
+def _unfused_and_ours(program, arg_sets, iters, sweep, label, tol=2e-2):
   """{"unfused": time, "ours": (time, config) of the best correct kernel config}, and the
   unfused result (the reference every other implementation is checked against)."""
   import jax
@@ -93,7 +125,7 @@ def _unfused_and_ours(program, arg_sets, iters, sweep, label):
   want = unfused(*arg_sets[0])
   res = {"unfused": (time_call(unfused, arg_sets, iters, batches=BATCHES), {})}
   log(f"{label} unfused {res['unfused'][0]:.3f} ms")
-  best = _best_of(program, arg_sets, want, iters, sweep)
+  best = _best_of(program, arg_sets, want, iters, sweep, tol)
   if best is not None:
     res["ours"] = best
   return res, want
@@ -127,20 +159,22 @@ def bench_ag_shape(m, k, n, dtype_name, iters, kernel_sweep, rivals=True):
   world = len(gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype)
   out_spec = P(None, "x")
-  ag = lambda x, w: lax.all_gather(x, "x", axis=0, tiled=True) @ w
-  program = jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=out_spec)
-  res, want = _unfused_and_ours(program, arg_sets, iters, kernel_sweep, f"ag {m}x{k}x{n}")
+  mm = _matmul(dtype)
+  w_spec = arg_sets[0][1].sharding.spec
+  ag = lambda x, w: mm(lax.all_gather(x, "x", axis=0, tiled=True), w)
+  program = jax.shard_map(ag, mesh=mesh, in_specs=(P("x"), w_spec), out_specs=out_spec)
+  res, want = _unfused_and_ours(program, arg_sets, iters, kernel_sweep, f"ag {m}x{k}x{n}",
+                                _tolerance(dtype, k))
 
   # local GEMM alone: the gathered [M, K] on every device times its [K, N/world]
   xg = jax.device_put(arg_sets[0][0], NamedSharding(mesh, P()))
-  gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P(None, "x")),
-                               out_specs=out_spec))
+  gemm = jax.jit(jax.shard_map(mm, mesh=mesh, in_specs=(P(), w_spec), out_specs=out_spec))
   res["gemm_alone"] = (time_call(gemm, [(xg, s[1]) for s in arg_sets], iters, batches=BATCHES), {})
   # remote bytes of one device: (world-1) shards of [M/world, K]
   res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * k * dtype.itemsize,
                                           iters)
 
-  if rivals:
+  if rivals and not fp8.is_fp8(dtype):  # Pallas-MGPU's collective matmul: 16-bit operands
     try:
       from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as cm
       from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
@@ -183,14 +217,16 @@ def bench_rs_shape(m, k, n, dtype_name, iters, kernel_sweep):
   gpus, mesh = _gpu_mesh()
   world = len(gpus)
   arg_sets = _inputs(mesh, m, k, n, dtype, x_spec=P(None, "x"), w_spec=P("x"), seed=200)
-  kw = dict(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
-  rs = lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True)
+  mm = _matmul(dtype)
+  kw = dict(mesh=mesh, in_specs=(P(None, "x"), arg_sets[0][1].sharding.spec), out_specs=P("x"))
+  rs = lambda x, w: lax.psum_scatter(mm(x, w), "x", scatter_dimension=0, tiled=True)
   res, _ = _unfused_and_ours(jax.shard_map(rs, **kw), arg_sets, iters, kernel_sweep,
-                             f"rs {m}x{k}x{n}")
-  gemm = jax.jit(jax.shard_map(lambda x, w: x @ w, **kw))  # the partial product, summed by RS
+                             f"rs {m}x{k}x{n}", _tolerance(dtype, k // world, world))
+  gemm = jax.jit(jax.shard_map(mm, **kw))  # the partial product, summed by RS
   res["gemm_alone"] = (time_call(gemm, arg_sets, iters, batches=BATCHES), {})
-  # remote bytes of one device: (world-1) partial slots of [M/world, N]
-  res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * n * dtype.itemsize,
+  # remote bytes of one device: (world-1) partial slots of [M/world, N] (fp8: bf16 partials)
+  out_bytes = 2 if fp8.is_fp8(dtype) else dtype.itemsize
+  res["transfer_alone"] = _transfer_alone(gpus, (world - 1) * (m // world) * n * out_bytes,
                                           iters)
   return world, res
 
@@ -288,7 +324,10 @@ def parser() -> argparse.ArgumentParser:
                   help="comma-separated global matmul shapes MxKxN (M rows of x, K the contracting "
                        "dim, N columns of w; M and N divisible by the GPU count), e.g. "
                        "4096x8192x8192,8192x4096x4096 (default: %(default)s)")
-  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16",
+                  help="operand dtype: bfloat16, float16, float32, or float8_e4m3fn / float8_e5m2 "
+                       "(fp8 operands with w stored K-major, a bf16 product; against XLA's fp8 "
+                       "GEMM; no rivals; default: %(default)s)")
   ap.add_argument("--iters", type=int, default=20,
                   help="back-to-back calls per timed batch (default: %(default)s)")
   ap.add_argument("--out", default="bench/results",
@@ -362,7 +401,7 @@ def main(argv=None):
   date = datetime.date.today().isoformat()
   gpu, versions = common.gpu_name(), common.versions()
   records, windowed = [], {}
-  if not args.no_rivals:
+  if not args.no_rivals and not fp8.is_fp8(args.dtype):
     log("xla_windowed (separate process)")
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS))
     proc = subprocess.run([sys.executable, "-m", "jax_autooverlap.bench", args.op, "--windowed-only",

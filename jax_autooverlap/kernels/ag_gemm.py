@@ -19,14 +19,18 @@ Roles (grid <= number of SMs, one CTA per program):
   (see runtime/workspace.py for why parity double-buffering is safe).
 No CTA ever waits for another CTA of its own GPU, so the kernel cannot
 deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
+
+fp8 operands (e4m3/e5m2, any pairing): the shard moves as fp8 bytes, b comes
+K-major as [N, K] (wgmma reads fp8 B K-major only) and the f32 product is
+multiplied by the launch's scale (sync.epilogue_scale) before the output cast.
 """
 import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import split_k
-from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
-                                          table_address, wait_at_least)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
+                                          signal_add, table_address, wait_at_least)
 
 
 @triton.jit
@@ -55,6 +59,7 @@ def ag_gemm_kernel(
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
+  FP8: tl.constexpr = dtype.is_fp8()
   pid = tl.program_id(0)
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
@@ -106,8 +111,13 @@ def ag_gemm_kernel(
   # shard reads rows of the next shard: they only feed output rows the 3-D
   # output descriptor clips (rows >= M_SHARD of that source).
   tile_counter = header + 2 + parity
-  b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                     block_shape=[BLOCK_K, BLOCK_N])
+  if FP8:  # b is [N, K]
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    scale = epilogue_scale(table_ptr, WORLD)
+  else:
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
   local_desc = tl.make_tensor_descriptor(a_ptr, shape=[M_SHARD, K], strides=[K, 1],
                                          block_shape=[BLOCK_M, BLOCK_K])
   bufs_desc = tl.make_tensor_descriptor(my_bufs, shape=[WORLD * M_SHARD, K], strides=[K, 1],
@@ -137,13 +147,23 @@ def ag_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT_K == 1:
       for k in range(0, K, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+        if FP8:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
+        else:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      if FP8:
+        acc = acc * scale
       o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
                    acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
     else:
       k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
       for k in range(k_lo, k_hi, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+        if FP8:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
+        else:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      if FP8:
+        acc = acc * scale  # each part scaled: the sum of the parts is the scaled sum
       # split counters: this rank's own row of the arrival counters (split_k.py)
       acc, last = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
                                   my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)

@@ -22,14 +22,18 @@ full NVLink round trip with the tensor cores idle; one main loop later the
 stores have drained and the release is cheap.  Pending releases are always
 issued before any wait, so two GPUs can never wait on each other's held
 signals.
+
+fp8 operands (e4m3/e5m2, any pairing): b comes K-major as [N, K] (wgmma reads
+fp8 B K-major only); each partial is multiplied by this GPU's scale
+(sync.epilogue_scale) in f32 before it is pushed or summed.
 """
 import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import split_k
-from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, finish_call, signal_add,
-                                          table_address, wait_at_least)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
+                                          signal_add, table_address, wait_at_least)
 
 
 @triton.jit
@@ -63,6 +67,7 @@ def gemm_rs_kernel(
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
+  FP8: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
   err_slot = ws + ERROR_SLOT_OFFSET
@@ -83,8 +88,13 @@ def gemm_rs_kernel(
   # they only feed output rows >= M_OUT, which are never stored.
   a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                      block_shape=[BLOCK_M, BLOCK_K])
-  b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                     block_shape=[BLOCK_K, BLOCK_N])
+  if FP8:  # b is [N, K]
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    scale = epilogue_scale(table_ptr, WORLD)
+  else:
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
   part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
                                         block_shape=[BLOCK_M, BLOCK_N])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_OUT, N], strides=[N, 1],
@@ -101,12 +111,22 @@ def gemm_rs_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT_K == 1:
       for k in range(0, K, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+        if FP8:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
+        else:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      if FP8:
+        acc = acc * scale
       finish = True
     else:
       k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
       for k in range(k_lo, k_hi, BLOCK_K):
-        acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+        if FP8:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
+        else:
+          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      if FP8:
+        acc = acc * scale  # each part scaled: the sum of the parts is the scaled sum
       # split counters: this rank's own row of the arrival counters (split_k.py)
       acc, finish = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
                                     my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)

@@ -27,6 +27,9 @@ After the warp-specialised region the last CTA out zeroes this call's
 counters and advances the epoch (finish_call: runtime/workspace.py says why
 parity double-buffering is safe).  No CTA waits for another CTA of its own
 GPU, waits on peers are bounded.
+
+fp8 operands: the mover pushes fp8 bytes, b is [N, K] and the consumers scale the product
+(gluon_engine.py says how).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,7 +39,8 @@ from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
-from jax_autooverlap.kernels.sync import ERROR_SLOT_OFFSET, table_address, wait_at_least
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, table_address,
+                                          wait_at_least)
 
 MOVER_WARPS = gl.constexpr(1)
 MOVER_REGS = gl.constexpr(56)
@@ -153,7 +157,7 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
               TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
   BLOCK_K: gl.constexpr = local_desc.block_type.shape[1]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  BLOCK_N: gl.constexpr = eng.b_block_n(b_desc.block_type.shape, b_desc.dtype)
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   # The first tile (static) is loaded before the rank -> table -> epoch chain is waited for
@@ -208,7 +212,7 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
   column slice of each of its row tiles), then TMA-load the tile's k-blocks from the gather
   buffer."""
   BLOCK_M: gl.constexpr = bufs_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  BLOCK_N: gl.constexpr = eng.b_block_n(b_desc.block_type.shape, b_desc.dtype)
   src = (rank + WORLD - step) % WORLD
   c = tm // TILES_PER_CHUNK
   wait_at_least(my_flags + src * MAX_CHUNKS + c,
@@ -244,7 +248,10 @@ def gluon_ag_gemm_kernel(
   # Descriptors are made once per CTA.  Here only those that do not depend on this call's
   # epoch, so the first tile (local, static: gluon_engine.first_tile) starts loading without
   # waiting for the rank -> table -> epoch chain; the producer and the mover make the others.
-  b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  if eng.b_kmajor(dtype):  # b is [N, K]
+    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+  else:
+    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
   # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
@@ -260,9 +267,12 @@ def gluon_ag_gemm_kernel(
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
+  consumers = (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
+               trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)
+  if eng.b_kmajor(dtype):  # fp8: the epilogue's scale, like rank, the consumers' (in flight)
+    consumers = consumers + (epilogue_scale(table_ptr, WORLD),)
   gl.warp_specialize([
-      (eng.compute_and_store, (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                               tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)),
+      (eng.compute_and_store, consumers),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),

@@ -28,6 +28,11 @@ Invariants:
 - Every shared-memory write by the generic proxy that the async proxy (TMA,
   wgmma) reads afterwards is followed by `fence_async_shared()`.
 
+fp8 operands (e4m3/e5m2, any pairing): wgmma reads an fp8 B operand K-major only, so fp8
+kernels take b as [N, K] (K contiguous); its [BLOCK_N, BLOCK_K] stages are fed to wgmma as a
+transposed view (`b_kmajor`), and an fp8 wgmma is k32 (mma_layout).  Their epilogues multiply
+the f32 accumulator by the launch's scale (kernels/sync.py's epilogue_scale).
+
 Gluon renamed its TMA copies between triton 3.6 (async_copy_global_to_shared,
 async_copy_shared_to_global) and 3.7+ (async_load, async_store); `tma_load`
 and `tma_store` below are whichever this triton has.
@@ -74,6 +79,19 @@ def mma_layout(block_n, num_warps, dtype):
   m64 x n{block_n} x k(256 / bits of the operand dtype: 16 for bf16/f16, 8 for tf32)."""
   return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                    instr_shape=[16, block_n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.constexpr_function
+def b_kmajor(dtype):
+  """Is b K-major ([N, K], stages [BLOCK_N, BLOCK_K]): fp8 operands."""
+  return dtype.is_fp8()
+
+
+@gluon.constexpr_function
+def b_block_n(block_shape, dtype):
+  """BLOCK_N of a b tile (or stage ring) shape, whose last two dims are [BLOCK_K, BLOCK_N], or
+  [BLOCK_N, BLOCK_K] where b is K-major."""
+  return block_shape[-2] if dtype.is_fp8() else block_shape[-1]
 
 
 @gluon.constexpr_function
@@ -206,7 +224,10 @@ def load_tile(a_desc, row0, b_desc, col0, K, a_bufs, b_bufs, ready, empty, it):
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
     tma_load(a_desc, [row0, k], ready.index(s), a_bufs.index(s))
-    tma_load(b_desc, [k, col0], ready.index(s), b_bufs.index(s))
+    if b_kmajor(b_desc.dtype):
+      tma_load(b_desc, [col0, k], ready.index(s), b_bufs.index(s))
+    else:
+      tma_load(b_desc, [k, col0], ready.index(s), b_bufs.index(s))
     it += 1
   return it
 
@@ -266,8 +287,12 @@ def mma_k_block(a_bufs, b_bufs, ready, acc, it, ROW0: gl.constexpr = 0):
     a = a_bufs.index(s)
   else:
     a = a_bufs.index(s).slice(ROW0, BLOCK_M)
-  acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-  acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b_bufs.index(s)))
+  if b_kmajor(b_bufs.dtype):
+    b = b_bufs.index(s).permute((1, 0))
+  else:
+    b = b_bufs.index(s)
+  acc = warpgroup_mma(a, b, acc, is_async=True)
+  acc, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a, b))
   return acc
 
 
@@ -313,15 +338,16 @@ def finish_partition():
 @gluon.jit
 def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                       rank, trace_ptr, K: gl.constexpr, WORLD: gl.constexpr, TM: gl.constexpr,
-                      TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
+                      TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr, scale=None):
   """The consumers of a kernel whose epilogue only stores (the GEMM alone, AG+GEMM): every tile
   the producer publishes (tile_of's order), computed and TMA-stored into o_desc, which is
   [rows, cols] where rank is None (the GEMM, WORLD = 1), else [src, rows, cols] (AG+GEMM: the
   tile of step s is source rank (rank - s) mod WORLD's; a ragged last tile row of a shard is
-  clipped at its end).  trace_ptr: the timeline (gluon_trace.py) where TRACE."""
+  clipped at its end).  trace_ptr: the timeline (gluon_trace.py) where TRACE.  scale (fp8):
+  what the f32 accumulator is multiplied by before the output cast (None: nothing)."""
   BLOCK_M: gl.constexpr = a_bufs.shape[1]
   BLOCK_K: gl.constexpr = a_bufs.shape[2]
-  BLOCK_N: gl.constexpr = b_bufs.shape[2]
+  BLOCK_N: gl.constexpr = b_block_n(b_bufs.shape, b_bufs.dtype)
   WARPS: gl.constexpr = consumer_warps(BLOCK_M)
   trace.start(trace_ptr, TRACE)
   it = 0
@@ -332,6 +358,8 @@ def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_
     acc, it = mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, BLOCK_M, BLOCK_N)
     trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE)
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+    if scale is not None:
+      acc = acc * scale
     if rank is None:
       stage_out(acc.to(o_desc.dtype), c_smem)
       tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)

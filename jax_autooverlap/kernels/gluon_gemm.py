@@ -3,7 +3,8 @@
 The fused kernels' compute path without communication: the engine's
 reference point against cuBLAS (loopback and GPU tests) and its compile
 check.  Static persistent schedule (tile t on CTA t % NUM_CTAS), GROUP_M
-tile rows at a time over all tile columns (L2 reuse of b).
+tile rows at a time over all tile columns (L2 reuse of b).  fp8 operands: b is [N, K]
+(gluon_engine.py), the product is not scaled.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -18,7 +19,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
               K: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_CTAS: gl.constexpr):
   BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  BLOCK_N: gl.constexpr = eng.b_block_n(b_desc.block_type.shape, b_desc.dtype)
   it = 0
   j = 0
   for t in range(gl.program_id(0), TM * TN, NUM_CTAS):
@@ -37,7 +38,10 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-  b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  if eng.b_kmajor(a_ptr.dtype.element_ty):
+    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+  else:
+    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc, STAGES)
   c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)

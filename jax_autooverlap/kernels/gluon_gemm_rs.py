@@ -32,6 +32,9 @@ The consumer warpgroups run the main loop and then, per tile:
 Every own tile is handed out after every remote tile on every GPU, so the
 tiles it waits for are already claimed on the peers (deadlock-free, as the
 `tl` kernel); no CTA waits for a CTA of its own GPU.
+
+fp8 operands: b is [N, K] and each partial is multiplied by this GPU's scale before it is
+pushed or summed (gluon_engine.py says how).
 """
 import triton.language as tl
 from triton.experimental import gluon
@@ -44,8 +47,8 @@ from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
                                                 hand_off_release, signaller)
-from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, fence_proxy_async, table_address,
-                                          wait_at_least)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, fence_proxy_async,
+                                          table_address, wait_at_least)
 
 
 # Tile numbers the producer publishes carry PREFETCH when the consumers should load the
@@ -82,7 +85,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   while t < TOTAL:
     look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN, GROUP_M,
                                   TILES_PER_CHUNK, MAX_CHUNKS, a_desc.block_type.shape[0],
-                                  b_desc.block_type.shape[1], WG_PARTS)
+                                  eng.b_block_n(b_desc.block_type.shape, b_desc.dtype), WG_PARTS)
     eng.publish_tile(tiles, tile_ready, tile_free, j, t + look * PREFETCH)
     j += 1
     # the next claim's atomic is in flight while this tile's loads are issued
@@ -99,7 +102,7 @@ def _load_rows(t, rank, a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, M_OUT:
                GROUP_M: gl.constexpr):
   """Producer: TMA-load tile t's k-blocks (its owner's rows of a) into the operand ring."""
   BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-  BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+  BLOCK_N: gl.constexpr = eng.b_block_n(b_desc.block_type.shape, b_desc.dtype)
   step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
   owner = (rank + 1 + step) % WORLD
   # A ragged last tile row of an owner reads rows of the next owner: they only feed output
@@ -199,6 +202,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
         + parity.to(gl.int64) * WORLD * SLOT
   else:
     my_slots, my_flags, err_addr, rank, parity = state
+  if eng.b_kmajor(a_bufs.dtype):  # fp8: this GPU's scale of every partial
+    scale = epilogue_scale(table_ptr, WORLD)
   # The peers' partials of this GPU's rows, and for the pushes to the owner of step i
   # (rank + 1 + i, i < WORLD - 1) a descriptor of its slot for this rank and its arrival
   # counters from this rank: the address table is read here, once per CTA, not in an
@@ -228,6 +233,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   signals = 0  # releases handed to the signaller so far
   prefetched = 0  # the first tile's partial was not prefetched
   while t < TOTAL:  # (t untagged)
+    if eng.b_kmajor(a_bufs.dtype):
+      acc = acc * scale
     if pending != 0:
       hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
       signals += 1
@@ -319,7 +326,10 @@ def gluon_gemm_rs_kernel(
   # Descriptors are made once per CTA; here those that do not depend on this call's epoch,
   # so the first tile (static: gluon_engine.first_tile) starts loading at once.
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-  b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  if eng.b_kmajor(a_ptr.dtype.element_ty):  # fp8: b is [N, K]
+    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+  else:
+    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
   ROWS: gl.constexpr = BLOCK_M // WG_PARTS  # rows of a tile per consumer partition
   o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,

@@ -122,6 +122,14 @@ def table_address(table_ptr, i):
 
 
 @triton.jit
+def epilogue_scale(table_ptr, WORLD: tl.constexpr):
+  """fp8 kernels: the f32 scale their epilogue multiplies the product by (the operands'
+  per-tensor scales), whose bits the launch puts in the first word of the address table's
+  last pair (backends/triton.py's with_scale)."""
+  return tl.load(table_ptr + 2 * WORLD).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS: tl.constexpr,
                 NUM_FLAGS: tl.constexpr, FLAG_BLOCK: tl.constexpr):
   """The last CTA out zeroes this call's counters and advances the epoch.

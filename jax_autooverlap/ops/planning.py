@@ -155,7 +155,7 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
   canonical = (a3.shape[0], a3.shape[1], a3.shape[2], b3.shape[2])
   if op == "ag_k":  # the gathered operand is b3 [B, k, N]
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
-  dtype = a3.dtype if a3.dtype == b3.dtype else None
+  dtype = registry.operand_dtype(a3.dtype, b3.dtype)
   impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
                       axis_name=ring.axis_name, may_time=True)
   return CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from jax import lax
 
+from jax_autooverlap import fp8
 from jax_autooverlap.reasons import Reason
 
 
@@ -28,12 +29,22 @@ class Call:
   rows: int          # ag_rows: rows of the shard; ag_k, rs_rows: rows of the operand
   k: int             # the contraction (ag_k: gathered, i.e. n times the shard's)
   cols: int
-  dtype: Any         # the operands' dtype, None where they differ
+  dtype: Any         # the operands' dtype (operand_dtype), None where they differ
   out_dtype: Any
 
 
+def operand_dtype(a_dtype, b_dtype):
+  """The dtype a fused call is planned, tuned and keyed by: the operands' common dtype, or
+  the first operand's where both are fp8 (the fp8 kernels take any e4m3/e5m2 pairing), None
+  where they differ otherwise."""
+  if a_dtype == b_dtype or (fp8.is_fp8(a_dtype) and fp8.is_fp8(b_dtype)):
+    return a_dtype
+  return None
+
+
 def kernel_2d_unsupported(call: Call) -> Reason | None:
-  """What the GPU kernels of both ops need from a call: one dtype, 2-D operands."""
+  """What the GPU kernels of both ops need from a call: one dtype (or two fp8 formats), 2-D
+  operands."""
   if call.dtype is None:
     return Reason("mixed_dtypes", "operands of different dtypes")
   if call.batch != 1:
@@ -44,8 +55,9 @@ def kernel_2d_unsupported(call: Call) -> Reason | None:
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-  """One implementation of a core: run(a, b, cp, need_gathered) -> out, or (out, gathered)
-  where the core returns the gathered operand."""
+  """One implementation of a core: run(a, b, cp, need_gathered, scale=None) -> out, or
+  (out, gathered) where the core returns the gathered operand.  scale (fp8 operands): f32[],
+  the product of the per-tensor scales, applied to the f32 product before the output cast."""
   name: str  # "reference" | "unfused" | "triton" (the GPU kernel)
   run: Callable
   unsupported: Callable[[Call], Reason | None] = lambda call: None
@@ -86,17 +98,16 @@ def is_core_call(eqn) -> bool:
   return any(bwd is c.fn.bwd for c in CORES.values())
 
 
-def dispatch(name: str, a, b, cp, need_gathered: bool = True):
+def dispatch(name: str, a, b, cp, need_gathered: bool = True, scale=None):
   """Run the implementation cp.impl names ("platform": chosen per platform at lowering)."""
   c = CORES[name]
-  run = lambda impl: c.impls[impl].run(a, b, cp, need_gathered)
   if cp.impl in c.impls:
-    return run(cp.impl)
+    return c.impls[cp.impl].run(a, b, cp, need_gathered, scale)
   if cp.impl != "platform":
     raise ValueError(f"{name}: no implementation {cp.impl!r} (has {sorted(c.impls)})")
   # No concrete mesh at trace time: the reference ring, except on GPUs, where the unfused
   # program (NCCL + cuBLAS) beats it.
-  ring = lambda a, b: c.impls["reference"].run(a, b, cp, need_gathered)
-  unfused = lambda a, b: c.impls["unfused"].run(a, b, cp, need_gathered)
-  return lax.platform_dependent(a, b, cuda=unfused, rocm=unfused, default=ring)
+  ring = lambda a, b, s: c.impls["reference"].run(a, b, cp, need_gathered, s)
+  unfused = lambda a, b, s: c.impls["unfused"].run(a, b, cp, need_gathered, s)
+  return lax.platform_dependent(a, b, scale, cuda=unfused, rocm=unfused, default=ring)
 

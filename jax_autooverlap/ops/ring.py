@@ -35,10 +35,18 @@ def acc_dtype(dtype) -> np.dtype:
   return dtype
 
 
-def bmm(a, b, p: RingParams, dtype=None):
-  """[B, M, K] x [B, K, N] -> [B, M, N] in p.out_dtype (or dtype)."""
-  return lax.dot_general(a, b, BMK_KN, precision=p.precision,
-                         preferred_element_type=p.out_dtype if dtype is None else dtype)
+def bmm(a, b, p: RingParams, dtype=None, scale=None):
+  """[B, M, K] x [B, K, N] -> [B, M, N] in p.out_dtype (or dtype).
+
+  scale (fp8 operands: the product of the per-tensor scales, f32[]): the product is taken in
+  f32 and scaled before the cast, as the GPU kernels' epilogues do."""
+  out_dtype = p.out_dtype if dtype is None else dtype
+  if scale is None:
+    return lax.dot_general(a, b, BMK_KN, precision=p.precision,
+                           preferred_element_type=out_dtype)
+  prod = lax.dot_general(a, b, BMK_KN, precision=p.precision,
+                         preferred_element_type=np.float32)
+  return (prod * scale).astype(out_dtype)
 
 
 def pieces(size: int, chunks: int) -> list[tuple[int, int]]:

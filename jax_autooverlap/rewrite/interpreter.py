@@ -19,11 +19,14 @@ import warnings
 from typing import Callable
 
 import jax
+from jax import lax
 
+from jax_autooverlap._compat import vary_over, varying_axes
 from jax_autooverlap.ops import ag_matmul, matmul_rs
 from jax_autooverlap.reasons import Reason
-from jax_autooverlap.rewrite import _jax, summed
-from jax_autooverlap.rewrite.plan import SKIP, AgPlan, ExplicitAction, Plan, RsPlan
+from jax_autooverlap.rewrite import _jax, fp8, summed
+from jax_autooverlap.rewrite.plan import (SKIP, AgPlan, AmaxPlan, ExplicitAction, Fp8AgPlan, Plan,
+                                          RsPlan)
 from jax_autooverlap.rewrite.layout import apply_to_shard
 from jax_autooverlap.runtime import context
 from jax_autooverlap.tuning.config import OverlapConfig
@@ -79,7 +82,7 @@ class Interpreter:
       action = self.plan.actions.get((key, i))
       if action is SKIP:
         continue
-      if isinstance(action, (AgPlan, RsPlan)):
+      if isinstance(action, (AgPlan, RsPlan, Fp8AgPlan, AmaxPlan)):
         self._emit(action, value, env)
         continue
       if isinstance(action, ExplicitAction):  # programs without shard_map: rewrite/explicit/
@@ -90,7 +93,10 @@ class Interpreter:
         continue  # computed early for a fused op
       invals = [read(v) for v in eqn.invars]
       with _jax.eqn_context(eqn):
-        if (key, i) in self.plan.rebuild:
+        if (key, i) in self.plan.inline:  # a custom_jvp/vjp call whose body is its value
+          body = eqn.params["call_jaxpr"]
+          outs = self.eval(body.jaxpr, body.consts, invals)
+        elif (key, i) in self.plan.rebuild:
           outs = self._rebuild(eqn, invals, (key, i))
         else:
           outs = _bind(eqn, eqn.params, invals)
@@ -100,10 +106,12 @@ class Interpreter:
 
   def _emit(self, plan, read, env):
     """Emit one fused op; if that fails, bind the equations it stands for."""
-    ag = isinstance(plan, AgPlan)
+    emit, eqn = {AgPlan: (self._emit_ag, "dot_eqn"), RsPlan: (self._emit_rs, "rs_eqn"),
+                 Fp8AgPlan: (self._emit_fp8_ag, "dot_eqn"),
+                 AmaxPlan: (self._emit_amax, "reduce_eqn")}[type(plan)]
     try:
-      with _jax.eqn_context(plan.dot_eqn if ag else plan.rs_eqn):
-        (self._emit_ag if ag else self._emit_rs)(plan, read, env)
+      with _jax.eqn_context(getattr(plan, eqn)):
+        emit(plan, read, env)
     except Exception as e:  # noqa: BLE001 - any failure keeps this match unfused
       self._keep_unfused([plan.match], e, "rewriting this match")
       for eqn in plan.replaced:
@@ -160,10 +168,49 @@ class Interpreter:
     if a.need_gathered:
       env[a.result_var] = gathered
 
+  def _emit_fp8_ag(self, a: Fp8AgPlan, read, env):
+    n = a.match.axis_size or 1
+    shard = read(a.shard_var)
+    for kind, op, out_dim in a.shard_ops:
+      if kind == "elementwise":
+        shard = op.apply(shard, read)
+      elif kind == "move":
+        shard = fp8.rebind(op, shard)
+      else:
+        shard = apply_to_shard(op, shard, out_dim, n)
+    other = fp8.read_moved(a.other, read)
+    x, w = (shard, other) if a.operand == 0 else (other, shard)
+    p = a.dot_eqn.params
+    need = a.gathered_var is not None
+    res = ag_matmul(x, w, a.match.axis_name, gather_dim=a.gather_dim, gather_operand=a.operand,
+                    dimension_numbers=p["dimension_numbers"], precision=p["precision"],
+                    preferred_element_type=a.dot_eqn.outvars[0].aval.dtype,
+                    scales=(fp8.scale_of(a.factors, read, shard), None), return_gathered=need,
+                    config=self.config)
+    out, gathered = res if need else (res, None)
+    env[a.dot_eqn.outvars[0]] = out
+    if need:
+      env[a.gathered_var] = gathered
+
+  def _emit_amax(self, a: AmaxPlan, read, env):
+    x = read(a.shard_var)
+    local = a.reduce_eqn.primitive.bind(lax.abs(x), **a.reduce_eqn.params)
+    # varying like the program's amax of the (varying) gathered value
+    env[a.reduce_eqn.outvars[0]] = vary_over(lax.pmax(local, a.axis_name), varying_axes(x))
+
   def _emit_rs(self, r: RsPlan, read, env):
     n = r.match.axis_size or 1
     p = r.dot_eqn.params
     dots = r.dots or (r.dot_eqn,)
+    if r.fp8 is not None:
+      lhs, rhs, factors = r.fp8
+      x, w = fp8.read_moved(lhs, read), fp8.read_moved(rhs, read)
+      y = matmul_rs(x, w, r.match.axis_name, scatter_dim=r.scatter_dim,
+                    dimension_numbers=p["dimension_numbers"], precision=p["precision"],
+                    preferred_element_type=r.dot_eqn.outvars[0].aval.dtype,
+                    scales=(fp8.scale_of(factors, read, x), None), config=self.config)
+      self._finish_rs(r, y, n, env)
+      return
     if len(dots) > 1:
       x, w, dn = summed.merge(dots, [(read(e.invars[0]), read(e.invars[1])) for e in dots])
     else:
@@ -171,6 +218,10 @@ class Interpreter:
     y = matmul_rs(x, w, r.match.axis_name, scatter_dim=r.scatter_dim, dimension_numbers=dn,
                   precision=p["precision"], preferred_element_type=p["preferred_element_type"],
                   config=self.config)
+    self._finish_rs(r, y, n, env)
+
+  def _finish_rs(self, r: RsPlan, y, n, env):
+    """The scattered product through the layout ops after the matmul, into the result."""
     for ceqn, out_dim in r.chain:
       y = apply_to_shard(ceqn, y, out_dim, n)
     out_shape = r.rs_eqn.outvars[0].aval.shape

@@ -47,6 +47,40 @@ class RsPlan:
   rs_eqn: Any
   dots: tuple = ()  # every summed matmul, in program order
   replaced: tuple = ()  # the equations it stands for, in program order (bound if it fails)
+  fp8: tuple | None = None  # fp8 matmul: (fp8.Dequantized lhs, rhs, fp8.Factor of both and
+                            # of scalings between the matmul and the scatter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8AgPlan:
+  """An all_gather and a matmul reading it as fp8 (rewrite/fp8.py's forms), as one fp8
+  ag_matmul: the shard is quantized (or its fp8 source taken) and gathered as fp8 bytes.
+
+  Emitted at `at` (the first use of what it computes); the program's own equations it makes
+  dead are skipped (`replaced`, bound as written if emitting fails), the others stay (XLA
+  drops those whose results end up unused).
+  """
+  match: Match
+  shard_var: Any  # what shard_ops start from: the gather's input, or the fp8 source
+  shard_ops: tuple  # (kind, eqn or fp8.ElementwiseOp, out dim): "elementwise" | "move" (as
+                    # written) | "gathered" (a layout op after the gather, on the shard)
+  gather_dim: int  # dim of the matmul operand that is gathered
+  dot_eqn: Any
+  operand: int
+  other: Any  # fp8.Dequantized: the other operand
+  factors: tuple  # fp8.Factor of both operands
+  gathered_var: Any  # the program's gathered fp8 value, given by the fused op too; or None
+  replaced: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AmaxPlan:
+  """`reduce_max(abs(all_gather(x)))` as the max over the group of the shards' amaxes."""
+  match: Match
+  shard_var: Any
+  axis_name: Any
+  reduce_eqn: Any
+  replaced: tuple = ()
 
 
 class ExplicitAction:
@@ -79,6 +113,7 @@ class Plan:
   emit_before: dict = dataclasses.field(default_factory=dict)  # (id(jaxpr), i) -> [AgPlan]
   rebuild: set = dataclasses.field(default_factory=set)    # (id(jaxpr), i) of eqns to re-trace
   inside: dict = dataclasses.field(default_factory=dict)   # rebuilt (id(jaxpr), i) -> its matches
+  inline: set = dataclasses.field(default_factory=set)  # custom_jvp/vjp calls bound as their body
   report: Report = dataclasses.field(default_factory=Report)
 
   @property

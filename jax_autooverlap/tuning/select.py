@@ -29,13 +29,14 @@ import os
 
 import numpy as np
 
+from jax_autooverlap import fp8
 from jax_autooverlap.reasons import Reason
 from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning import store
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig, autotune_enabled
 
 SMEM_LIMIT = 227 * 1024
-KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_DTYPES = ("bfloat16", "float16", "float32", *fp8.FP8_DTYPES)
 # The configs the model ranks (per tile shape it has a cost for): the
 # benchmark's sweep plus 2 and 16 chunks, the default config first (the
 # model's ties go to the earlier config).
@@ -84,10 +85,15 @@ def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dty
 
 def default_kernel(dtype) -> KernelConfig:
   """The config where no measurement names one.  Its engine is $JAX_AUTOOVERLAP_ENGINE if set
-  (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl"."""
+  (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl".  fp8
+  takes K tiles of 128 (one 128-byte swizzled row per stage, as 64 bf16 columns; the same
+  shared memory per stage)."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
-  return KernelConfig(engine=os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl"))
+  engine = os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl")
+  if fp8.is_fp8(dtype):
+    return KernelConfig(block_k=128, engine=engine)
+  return KernelConfig(engine=engine)
 
 
 def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig) -> str | None:
@@ -99,8 +105,15 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
     return f"K={k} and N={n} rows must be 16-byte aligned for TMA"
   if k % 64:
     return f"K={k} must be a multiple of 64"
-  if cfg.engine == "gluon" and dt.itemsize != 2:
-    return f"the gluon engine takes 16-bit operands (wgmma), not {dt.name}"
+  if fp8.is_fp8(dt):
+    if np.dtype(out_dtype).name not in fp8.FP8_OUT_DTYPES:
+      return f"fp8 operands give {' or '.join(fp8.FP8_OUT_DTYPES)}, not {np.dtype(out_dtype).name}"
+    if k % cfg.block_k:
+      return f"K={k} must be a multiple of the fp8 K tile {cfg.block_k}"
+    if cfg.block_k * dt.itemsize < 32:
+      return f"fp8 wgmma needs K tiles of at least 32 (block_k={cfg.block_k})"
+  if cfg.engine == "gluon" and dt.itemsize > 2:
+    return f"the gluon engine takes 16-bit and fp8 operands (wgmma), not {dt.name}"
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
     return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
   return None
@@ -193,17 +206,17 @@ def listed_world(world: int) -> int:
 
 def default_candidates(op: str, world: int, dtype, compute_capability=None) -> tuple:
   """The fixed first-call candidates of a group size (module docstring), the Gluon engine's
-  only where it runs (compute capability 9.0, 16-bit operands)."""
+  only where it runs (compute capability 9.0, 16-bit or fp8 operands)."""
   w = listed_world(world)
   if np.dtype(dtype).itemsize == 4:
     base = default_kernel(dtype)
     first = DEFAULT_TL[op][w][0]
     chunks, movers = first if op == "ag" else (first, base.num_comm)
     return (dataclasses.replace(base, chunks=chunks, num_comm=movers),)
-  base = KernelConfig()
+  base = KernelConfig(block_k=128) if fp8.is_fp8(dtype) else KernelConfig()  # default_kernel's
   out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
       if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
-  if str(compute_capability) == GLUON_CAPABILITY and np.dtype(dtype).itemsize == 2:
+  if str(compute_capability) == GLUON_CAPABILITY:
     gluon = dataclasses.replace(base, engine="gluon")
     if op == "ag":
       out += [dataclasses.replace(gluon, chunks=c, num_comm=m) for c, m in DEFAULT_GLUON["ag"][w]]

@@ -26,13 +26,13 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   engine."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
-  dtype, w = np_dtype(case.dtype), case.world
+  dtype, out_dtype, w = np_dtype(case.dtype), np_dtype(case.out_dtype), case.world
   if case.op == "ag":
     v = select.choose_ag(OverlapConfig(autotune=False), device_kind, w, case.m // w, case.k,
-                         case.n // w, dtype, dtype)
+                         case.n // w, dtype, out_dtype)
   else:
     v = select.choose_rs(OverlapConfig(autotune=False), device_kind, w, case.m, case.k // w,
-                         case.n, dtype, dtype)
+                         case.n, dtype, out_dtype)
   base = v.kernel or select.default_kernel(dtype)
   out = {}
   for engine in engines:
@@ -42,13 +42,23 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
       log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
     # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
-    why = select.unsupported(case.m // w, case.local_gemm[1], case.local_gemm[2], dtype, dtype,
-                             cfg)
+    why = select.unsupported(case.m // w, case.local_gemm[1], case.local_gemm[2], dtype,
+                             out_dtype, cfg)
     if why is None:
       out[engine] = cfg
     else:
       log(f"{case.op} {case.label}: engine {engine} skipped: {why}")
   return out
+
+
+def max_rel_err(case: Case) -> float:
+  """The largest relative error a correct contestant has: MAX_REL_ERR, or for fp8 operands the
+  formats' bound (jax_autooverlap/fp8.py; the reference is the f32 product of the fp8 values)."""
+  from jax_autooverlap import fp8
+  if not case.fp8:
+    return MAX_REL_ERR
+  return fp8.gemm_tolerance(case.local_gemm[1], np_dtype(case.out_dtype),
+                            partials=case.world if case.op == "rs" else 1)
 
 
 def kernel_names(engine: str, op: str) -> tuple[str, ...]:
@@ -79,10 +89,10 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int) -> dict:
   if case.op == "rs" and "gluon" in configs:
     variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
   if configs:
-    dtype = np_dtype(case.dtype)
+    dtype, out_dtype = np_dtype(case.dtype), np_dtype(case.out_dtype)
     _, k, n = case.local_gemm
     for cfg in select.small_shape_configs(case.op, case.world, case.m // case.world, k, n, dtype,
-                                          dtype, next(iter(configs.values())), num_sms,
+                                          out_dtype, next(iter(configs.values())), num_sms,
                                           tuple(configs)):
       variants.setdefault(variant_name(cfg), cfg)
   return variants
@@ -97,13 +107,14 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
   variants = fused_variants(case, device.device_kind, engines, num_sms)
-  contestants, checks = {"gemm_alone": (gemm_program(), lb.gemm_args(), None)}, {}
+  contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
     if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n) not in engine_tiles:
       tiles = (cfg.block_m, cfg.block_n)
       engine_tiles[tiles] = f"engine_alone-{tiles[0]}x{tiles[1]}"
-      program = engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms)
+      program = engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms,
+                               out_dtype=np_dtype(case.out_dtype))
       try:
         jax.block_until_ready(program(*lb.gemm_args()))
       except Exception as e:  # noqa: BLE001 - report, keep benchmarking
@@ -111,6 +122,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
             f"{str(e)[:400]}")
         continue
       contestants[engine_tiles[tiles]] = (program, lb.gemm_args(), ("gluon_gemm_kernel",))
+  tol = max_rel_err(case)
   for name, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
     try:
@@ -118,7 +130,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
       log(f"{case.op} {case.label} {name} failed: {type(e).__name__}: {str(e)[:400]}")
       continue
-    ok = (checks[name]["rel_err"] <= MAX_REL_ERR and checks[name]["push_rel_err"] <= MAX_REL_ERR
+    ok = (checks[name]["rel_err"] <= tol and checks[name]["push_rel_err"] <= tol
           and checks[name]["bit_identical_repeat"])
     log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}")
     if ok:
@@ -168,7 +180,9 @@ def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
     kind = lambda t: "local" if t < per_source else "peer"
   else:
     kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
-  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True), lb.gemm_args(), None),
+  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True,
+                                          out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
+                           None),
           "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
   summaries, raw = {}, {}
   for name, (fn, args, k) in runs.items():
@@ -224,7 +238,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                   help="global MxKxN of the --world-GPU op, comma-separated (default: "
                        "%(default)s)")
-  ap.add_argument("--dtype", default="bfloat16", help="operand dtype (default: %(default)s)")
+  ap.add_argument("--dtype", default="bfloat16",
+                  help="operand dtype: bfloat16, float16, float32, or float8_e4m3fn / float8_e5m2 "
+                       "(fp8 operands, bf16 product, against XLA's fp8 GEMM; default: %(default)s)")
   ap.add_argument("--engines", default="tl,gluon",
                   help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
                        "only; default: %(default)s)")

@@ -1,7 +1,11 @@
 """The loopback fixture: rank 0 of a group of `world` GPUs and its world - 1 peers, all on one
 GPU.  The peers' data and arrival counters are already in place in rank 0's workspace (what
 the other GPUs would have pushed), and a workspace per peer (one device buffer, the peers'
-workspaces back to back) absorbs rank 0's pushes."""
+workspaces back to back) absorbs rank 0's pushes.
+
+fp8 cases (dtype float8_e4m3fn / float8_e5m2): the operands are fp8, b is stored K-major
+([N, K]: what the fp8 kernels and cuBLASLt's fp8 GEMM read), the output and RS partials are
+bf16, and the table carries the epilogue scale (backends/launch.py's with_scale)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +27,7 @@ class Case:
   n: int
   dtype: str = "bfloat16"
   world: int = WORLD
+  b_dtype: str = ""  # b's, where it differs (fp8: e.g. an e5m2 gradient times e4m3 weights)
 
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
@@ -41,9 +46,31 @@ class Case:
     return (self.m // w, self.k) if self.op == "ag" else (self.m, self.k // w)
 
   @property
+  def fp8(self) -> bool:
+    from jax_autooverlap import fp8
+    return fp8.is_fp8(np_dtype(self.dtype))
+
+  @property
+  def out_dtype(self) -> str:
+    """The product's dtype: the operands', bf16 for fp8 operands."""
+    return "bfloat16" if self.fp8 else self.dtype
+
+  @property
   def b_shape(self):
     w = self.world
-    return (self.k, self.n // w) if self.op == "ag" else (self.k // w, self.n)
+    k, n = (self.k, self.n // w) if self.op == "ag" else (self.k // w, self.n)
+    return (n, k) if self.fp8 else (k, n)
+
+  @property
+  def piece_dtype(self) -> str:
+    """What a peer places in rank 0's workspace: a shard of a (ag), a partial output (rs)."""
+    return self.dtype if self.op == "ag" else self.out_dtype
+
+  @property
+  def scale(self) -> float:
+    """The epilogue scale of an fp8 case: 1/sqrt(local K) as a power of two (fp8 operands are
+    not pre-scaled by it, as bf16 ones are, which would leave them subnormal)."""
+    return 2.0 ** -round(np.log2(self.local_gemm[1]) / 2) if self.fp8 else 1.0
 
   @property
   def local_gemm(self):  # (M, K, N) of the GEMM one GPU computes
@@ -67,7 +94,7 @@ class Case:
 
 
 def piece_bytes(case: Case) -> int:
-  return int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.dtype)).itemsize
+  return int(np.prod(case.piece_shape)) * np.dtype(np_dtype(case.piece_dtype)).itemsize
 
 
 def piece_offset(case: Case, parity: int, src: int) -> int:
@@ -106,12 +133,15 @@ def rank0_workspace(case: Case, peer_pieces, err_address: int = 0) -> np.ndarray
   return host
 
 
-def address_table(ws_addresses) -> np.ndarray:
+def address_table(ws_addresses, scale: float | None = None) -> np.ndarray:
   """uint32 (lo, hi) of each rank's workspace, then a zero pair (backends/triton.py's layout:
-  the error record's address is in each workspace's header)."""
+  the error record's address is in each workspace's header), its first word the f32 bits of
+  the epilogue scale of fp8 kernels (backends/launch.py's with_scale)."""
   table = np.zeros(2 * (len(ws_addresses) + 1), np.uint32)
   for i, a in enumerate(ws_addresses):
     table[2 * i], table[2 * i + 1] = a & 0xFFFFFFFF, a >> 32
+  if scale is not None:
+    table[2 * len(ws_addresses)] = np.array([scale], np.float32).view(np.uint32)[0]
   return table
 
 
@@ -136,7 +166,9 @@ def read_workspace(ws, offset: int, shape, dtype):
   @jax.jit
   def read(w):
     raw = lax.slice(w, (offset,), (offset + nbytes,)).reshape(tuple(shape) + (dtype.itemsize,))
-    return lax.bitcast_convert_type(raw, dtype) if dtype.itemsize > 1 else raw.reshape(shape)
+    if dtype.itemsize == 1:
+      return lax.bitcast_convert_type(raw.reshape(shape), dtype)
+    return lax.bitcast_convert_type(raw, dtype)
   return np.asarray(read(ws))
 
 
@@ -145,10 +177,13 @@ def references(case: Case, a, b, peers):
   f32 accumulation; peers: the pieces of sources 1 .. world - 1."""
   import jax
   import jax.numpy as jnp
-  f32 = lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)
+  def f32(x, y):  # fp8: the f32 product of the exact (dequantized) values, scaled
+    if case.fp8:
+      x, y = x.astype(jnp.float32), y.astype(jnp.float32).T
+    return jnp.dot(x, y, preferred_element_type=jnp.float32) * case.scale
   if case.op == "ag":
     out = jax.jit(lambda a, b, *p: f32(jnp.concatenate([a, *p]), b))(a, b, *peers)
-    return np.asarray(out), [np.asarray(a)] * (case.world - 1)
+    return np.asarray(out), [np.asarray(a.astype(jnp.float32))] * (case.world - 1)
   rows = case.m // case.world
   partial = jax.jit(f32)(a, b)
   out = partial[:rows]
@@ -170,11 +205,13 @@ class Loopback:
     ka, kb, *kp = jax.random.split(jax.random.key(seed), 1 + case.world)
     put = lambda x: jax.device_put(x, device)
     self.a = put(jax.random.normal(ka, case.a_shape, np.float32).astype(dtype))
-    self.b = put((jax.random.normal(kb, case.b_shape, np.float32)
-                  / np.sqrt(case.b_shape[0])).astype(dtype))
+    b = jax.random.normal(kb, case.b_shape, np.float32)
+    self.b = put((b if case.fp8 else b / np.sqrt(case.b_shape[0])).astype(
+        np_dtype(case.b_dtype or case.dtype)))
     # a partial product of rs has the scale of one GPU's share of K
     scale = 1.0 if case.op == "ag" else np.sqrt(1.0 / case.world)
-    self.peers = [put((jax.random.normal(key, case.piece_shape, np.float32) * scale).astype(dtype))
+    piece = np_dtype(case.piece_dtype)
+    self.peers = [put((jax.random.normal(key, case.piece_shape, np.float32) * scale).astype(piece))
                   for key in kp]
     self.err_address = REGISTRY.error_record().device_address
     self.rank = put(jnp.zeros((1,), jnp.int32))
@@ -187,7 +224,8 @@ class Loopback:
     import jax
     addrs = group_addresses(self.case, self.ws0.unsafe_buffer_pointer(),
                             peer_ws.unsafe_buffer_pointer())
-    return jax.device_put(address_table(addrs), self.device)
+    scale = self.case.scale if self.case.fp8 else None
+    return jax.device_put(address_table(addrs, scale), self.device)
 
   def epoch(self) -> int:
     return int(read_workspace(self.ws0, 0, (1,), np.int32)[0])
@@ -202,7 +240,8 @@ class Loopback:
     from jax_autooverlap.runtime.errors import check_errors
     case = self.case
     self.checks += 1
-    scale = 2.0 ** self.checks   # exact in any float format
+    # exact in any float format; fp8 cycles through 2..16 (e4m3 ends at 448)
+    scale = 2.0 ** (1 + (self.checks - 1) % 4 if case.fp8 else self.checks)
     a = jax.jit(lambda x: x * scale)(self.a)
     want_out, want_pushes = references(case, a, self.b, self.peers)
     peer_ws = self._zeros_peers()
@@ -212,7 +251,7 @@ class Loopback:
     push_errs = []
     for r, want in enumerate(want_pushes, start=1):
       off = (r - 1) * peer_stride(case) + piece_offset(case, parity, 0)
-      pushed = read_workspace(peer_ws, off, case.piece_shape, np_dtype(case.dtype))
+      pushed = read_workspace(peer_ws, off, case.piece_shape, np_dtype(case.piece_dtype))
       push_errs.append(rel_err(pushed, want))
     again = np.asarray(program(a, self.b, self.table, self.rank))
     return {"rel_err": rel_err(got, want_out), "push_rel_err": max(push_errs),

@@ -1,6 +1,7 @@
 """The loopback's device programs: the fused kernel as rank 0 (after the set-up kernel that
 re-arms the peer's arrival counters, kernels/loopback.py), the Gluon engine's plain GEMM on the
-same local work, and XLA's GEMM (cuBLAS)."""
+same local work, and XLA's GEMM (cuBLAS; for fp8 operands its fp8 GEMM, cuBLASLt, on b stored
+K-major as the fp8 kernels read it)."""
 from __future__ import annotations
 
 from jax_autooverlap.bench.loopback.fixture import WORLD, Case, np_dtype
@@ -42,7 +43,7 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   extra = dict(trace=True) if trace else {}
   launch_ag_gemm = functools.partial(backend.launch_ag_gemm, **extra)
   launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
-  dtype = np_dtype(case.dtype)
+  dtype = np_dtype(case.out_dtype)
   common = dict(world=case.world, kernel=kernel, out_dtype=dtype, timeout_s=timeout_s,
                 num_sms=num_sms, compute_capability=compute_capability, poison=poison)
 
@@ -56,18 +57,24 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
 
 
 def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
-                   trace: bool = False):
+                   trace: bool = False, out_dtype=None):
   """jit(a, b) -> a @ b on the Gluon engine alone (no communication), same tiles and stages
-  (trace: (a @ b, the per-tile timeline))."""
+  (trace: (a @ b, the per-tile timeline)); out_dtype: the product's (default a's)."""
   import jax
   from jax_autooverlap.backends.gluon import launch_gemm
 
   def run(a, b):
-    return launch_gemm(a, b, kernel=kernel, out_dtype=a.dtype, num_sms=num_sms,
+    return launch_gemm(a, b, kernel=kernel, out_dtype=out_dtype or a.dtype, num_sms=num_sms,
                        compute_capability=compute_capability, trace=trace)
   return jax.jit(run)
 
 
-def gemm_program():
+def gemm_program(case: Case | None = None):
+  """XLA's GEMM of the local work: a @ b, or for fp8 operands the fp8 GEMM a @ b^T into bf16."""
   import jax
+  import jax.numpy as jnp
+  from jax import lax
+  if case is not None and case.fp8:
+    return jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.bfloat16))
   return jax.jit(lambda a, b: a @ b)

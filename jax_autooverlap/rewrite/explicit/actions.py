@@ -11,10 +11,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax import lax
 
 from jax_autooverlap.ops import ag_matmul, matmul_rs
-from jax_autooverlap.rewrite import _jax
+from jax_autooverlap.rewrite import _jax, fp8
 from jax_autooverlap.rewrite.explicit.sharding import local_shape, pspec, spec_of
 from jax_autooverlap.rewrite.match import Match
 from jax_autooverlap.rewrite.plan import ExplicitAction
@@ -30,6 +31,12 @@ def _local_layout(eqn, x, shape):
   if name in ("reshape", "squeeze"):
     return lax.reshape(x, shape)
   return x  # copy: values unchanged
+
+
+def _scale(views, read, like):
+  """The f32[] scale of an fp8 matmul's two operands (1 where they have none)."""
+  scale = fp8.scale_of((*views[0].factors, *views[1].factors), read, like)
+  return np.ones((), np.float32) if scale is None else scale
 
 
 def _shard_map(body, mesh, cmesh, in_specs, out_specs, args):
@@ -59,12 +66,16 @@ class AgFusion(ExplicitAction):
   gathered_key: Any  # env key for the gathered value (None: not needed)
   mesh: Any
   cmesh: Any
+  fp8: tuple | None = None  # fp8 matmul: fp8.Dequantized of the gathered operand (its value
+                            # shard_var's) and of the other; their sources run the fused op
 
   @property
   def matches(self):
     return (self.match,)
 
   def reads(self):
+    if self.fp8:
+      return (self.fp8[0].source, self.fp8[1].source)
     return (self.shard_var, self.dot_eqn.invars[1 - self.operand])
 
   def writes(self):  # the gathered value under its own key is no program variable
@@ -76,15 +87,21 @@ class AgFusion(ExplicitAction):
     p = self.dot_eqn.params
     need = self.gathered_key is not None
 
-    def body(shard, other):
+    def body(shard, other, *scale):
       for ceqn, out_dim in self.chain:
+        if self.fp8 and ceqn.primitive.name == "convert_element_type":
+          continue  # the fp8 source is gathered; the product has the matmul's dtype
         spec = spec_of(ceqn.outvars[0])
         shard = _local_layout(ceqn, shard, local_shape(ceqn.outvars[0], spec, self.mesh,
                                                         (out_dim, n)))
       lhs, rhs = (shard, other) if x == 0 else (other, shard)
+      fp8_args = {}
+      if self.fp8:
+        fp8_args = dict(scales=(scale[0], None),
+                        preferred_element_type=self.dot_eqn.outvars[0].aval.dtype)
       res = ag_matmul(lhs, rhs, a, gather_dim=self.gather_dim, gather_operand=x,
                       dimension_numbers=p["dimension_numbers"], precision=p["precision"],
-                      preferred_element_type=p["preferred_element_type"],
+                      **({"preferred_element_type": p["preferred_element_type"]} | fp8_args),
                       return_gathered=need, config=interp.config)
       out, gathered = res if need else (res, None)
       if self.summed:
@@ -92,9 +109,14 @@ class AgFusion(ExplicitAction):
       return (out, gathered) if need else (out,)
 
     other_spec, out_spec, gathered_spec = self.specs
-    outs = _shard_map(body, self.mesh, self.cmesh, (self.shard_spec, other_spec),
-                      (out_spec, gathered_spec) if need else (out_spec,),
-                      (read(self.shard_var), read(self.dot_eqn.invars[1 - x])))
+    args = (read(self.shard_var), read(self.dot_eqn.invars[1 - x]))
+    in_specs = (self.shard_spec, other_spec)
+    if self.fp8:
+      args = tuple(fp8.read_moved(view, read) for view in self.fp8)
+      args += (_scale(self.fp8, read, args[0]),)
+      in_specs += ((),)
+    outs = _shard_map(body, self.mesh, self.cmesh, in_specs,
+                      (out_spec, gathered_spec) if need else (out_spec,), args)
     env[self.dot_eqn.outvars[0]] = outs[0]
     if need:
       env[self.gathered_key] = outs[1]
@@ -170,6 +192,7 @@ class RsFusion(ExplicitAction):
   summed: tuple
   mesh: Any
   cmesh: Any
+  fp8: tuple | None = None  # one fp8 matmul: fp8.Dequantized of its operands
 
   @property
   def matches(self):
@@ -181,14 +204,20 @@ class RsFusion(ExplicitAction):
   def emit(self, interp, read, env):
     a, n, k = self.match.axis_name, self.match.axis_size, len(self.dots)
     p = self.dots[0].params
+    fp8_args = {}
+    if self.fp8:
+      fp8_args = dict(preferred_element_type=self.dots[0].outvars[0].aval.dtype)
 
     def body(*ops):
+      if self.fp8:
+        ops, fp8_args["scales"] = ops[:2], (ops[2], None)
       lhs, rhs = ops[:k], ops[k:]
       x = lhs[0] if k == 1 else lax.concatenate(lhs, self.concat[0])
       w = rhs[0] if k == 1 else lax.concatenate(rhs, self.concat[1])
       y = matmul_rs(x, w, a, scatter_dim=self.scatter_dim,
                     dimension_numbers=p["dimension_numbers"], precision=p["precision"],
-                    preferred_element_type=p["preferred_element_type"], config=interp.config)
+                    **({"preferred_element_type": p["preferred_element_type"]} | fp8_args),
+                    config=interp.config)
       if self.summed:
         y = lax.psum(y, self.summed)
       for ceqn, out_dim in self.chain:
@@ -197,5 +226,10 @@ class RsFusion(ExplicitAction):
       return (y,)
 
     args = [read(d.invars[0]) for d in self.dots] + [read(d.invars[1]) for d in self.dots]
-    env[self.out_var] = _shard_map(body, self.mesh, self.cmesh, self.in_specs,
+    in_specs = self.in_specs
+    if self.fp8:
+      args = [fp8.read_moved(view, read) for view in self.fp8]
+      args.append(_scale(self.fp8, read, args[0]))
+      in_specs += ((),)
+    env[self.out_var] = _shard_map(body, self.mesh, self.cmesh, in_specs,
                                    (self.out_spec,), args)[0]

@@ -11,6 +11,10 @@
            (`add_any`) of several, through layout ops into a `reshard` adding
            a to one dim (the transpose of a gather).
 
+fp8 matmuls (rewrite/fp8.py's forms: both operands fp8 values or their per-tensor
+dequantizations) run the fp8 fused ops: the fp8 sources are gathered or multiplied, the
+scales go to the epilogue.
+
 Each becomes an action (rewrite/explicit/actions.py) running the fused op in
 a shard_map.  A sum of k matmuls is one GEMM over their local operands
 concatenated along a contracting dim.  Every candidate becomes a `Match`
@@ -25,10 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from jax_autooverlap import fp8 as formats
 from jax_autooverlap.ops.dims import DotDims
 from jax_autooverlap.ops.planning import describe
+from jax_autooverlap.ops.registry import operand_dtype
 from jax_autooverlap.reasons import Reason
-from jax_autooverlap.rewrite import _jax
+from jax_autooverlap.rewrite import _jax, fp8
 from jax_autooverlap.rewrite.explicit.actions import (AgFusion, Bind, GatheredDot, RsFusion, Then,
                                                       producers_first)
 from jax_autooverlap.rewrite.explicit.sharding import (classify, drop, local_shape, mesh_of, pspec,
@@ -136,11 +142,45 @@ class _Matcher:
                 dot_source=_jax.source_line(deqn), path=self.path, origin=ORIGIN,
                 phase=_jax.phase(source_eqn, self.phase))
 
-  def _impl(self, kind, deqn, shapes, operand, dim, n, mesh):
-    lhs, rhs = deqn.invars
-    dtype = lhs.aval.dtype if lhs.aval.dtype == rhs.aval.dtype else None
-    return describe(kind, shapes[0], shapes[1], operand, dim, deqn.params["dimension_numbers"],
-                    n, dtype, deqn.outvars[0].aval.dtype, self.config, self._cmesh_for(mesh))
+  def _impl(self, kind, deqn, shapes, operand, dim, n, mesh, views=None):
+    lhs, rhs = (v.source for v in views) if views else deqn.invars
+    impl = describe(kind, shapes[0], shapes[1], operand, dim, deqn.params["dimension_numbers"],
+                    n, operand_dtype(lhs.aval.dtype, rhs.aval.dtype), deqn.outvars[0].aval.dtype,
+                    self.config, self._cmesh_for(mesh))
+    if not views:
+      return impl
+    what = ("the fp8 sources are gathered" if kind == "ag_matmul" else
+            f"the partial products are summed in {formats.name(deqn.outvars[0].aval.dtype)}")
+    return Reason(impl.code, f"{impl}; fp8 ({formats.short(lhs.aval.dtype)} x "
+                  f"{formats.short(rhs.aval.dtype)}): {what}, the per-tensor scales go to the "
+                  "GEMM's epilogue")
+
+  def _fp8(self, deqn, gathered=None):
+    """(views, None) if the matmul is an fp8 one the fused ops take: its operands fp8 values
+    or their dequantizations with per-tensor scales (fp8.Dequantized each; `gathered`: the
+    gathered operand's value is that var's, e.g. a reshard's input); (None, Reason) for an
+    fp8 one they cannot take; (None, None) for a 16-bit matmul (the 16-bit rules apply)."""
+    values = list(deqn.invars)
+    if gathered is not None:
+      values[gathered[0]] = gathered[1]
+    views = [fp8.dequantized(self, v) for v in values]
+    raw = any(formats.is_fp8(v.aval.dtype) for v in deqn.invars)
+    if not raw and any(v is None for v in views):
+      return None, None
+    out = deqn.outvars[0].aval.dtype
+    reason = (next((v for v in views if isinstance(v, Reason)), None) or
+              (Reason("fp8_one_operand", "one operand of the matmul is fp8 (or dequantized from "
+                      "fp8), the other is not") if any(v is None for v in views) else
+               Reason("fp8_result", f"the fp8 matmul's result is {formats.name(out)}; the fused "
+                      f"fp8 ops give {' or '.join(formats.FP8_OUT_DTYPES)}")
+               if formats.name(out) not in formats.FP8_OUT_DTYPES else None))
+    return (None, reason) if reason else (tuple(views), None)
+
+  @staticmethod
+  def _dtype(base, views):
+    if views:
+      base["dtype"] = (f"{formats.short(views[0].source.aval.dtype)}x"
+                       f"{formats.short(views[1].source.aval.dtype)}->{base['dtype']}")
 
   # -- gathers ----------------------------------------------------------------------
 
@@ -211,6 +251,15 @@ class _Matcher:
     base["n_dots"] = len(g.dots)
     if x is not None and g.gather_dim is not None:
       base.update(operand=("lhs", "rhs")[x], dim_kind=dim_kind)
+    # fp8: the reshard gathers a dequantized value (its fp8 source is gathered instead), or an
+    # fp8 one; the gathered value must then feed this matmul only
+    views, fp8_reason = (None, None) if x is None else self._fp8(deqn, (x, g.eqn.invars[0]))
+    if views and (len(self.uses[g.value]) > 1 or g.value in self.outvars):
+      views, fp8_reason = None, None if not any(formats.is_fp8(v.aval.dtype)
+                                               for v in deqn.invars) else Reason(
+          "fp8_gathered_used", "the gathered value is also read elsewhere: an fp8 gather would "
+          "not replace it")
+    self._dtype(base, views)
     reason = (
         g.broken if g.broken else
         _BOTH_OPERANDS if x is None else
@@ -218,7 +267,7 @@ class _Matcher:
         else Reason("one_per_matmul", f"the matmul's other operand, gathered over "
                     f"{self.claimed[di]!r} (a larger transfer), is fused into it instead; this "
                     "gather runs first, unfused") if di in self.claimed else
-        dtype_reason(deqn, gathered=x) or
+        fp8_reason or (None if views else dtype_reason(deqn, gathered=x)) or
         (Reason("used_before", "the gathered value is used before the matmul")
          if any(j < first for j in self.uses[g.value]) else None))
     if reason is None and (comm is None or comm.kind != "local" or g.axis in comm.summed):
@@ -229,14 +278,15 @@ class _Matcher:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
     need = len(self.uses[g.value]) > 1 or g.value in self.outvars
-    impl = self._impl("ag_matmul", deqn, shapes, x, g.gather_dim, n, mesh)
+    impl = self._impl("ag_matmul", deqn, shapes, x, g.gather_dim, n, mesh, views)
     match = Match(status=status_of(impl), reason="", impl=impl, **base)
     self._record(match)
     self._skip(g.index, *(self.eqns.index(c) for c, _ in g.chain))
     self._place(first, di, AgFusion(
         match, g.eqn.invars[0], spec_of(g.eqn.invars[0]), tuple(g.chain), g.gather_dim, deqn, x,
         (specs[1 - x], specs[2], specs[x]), tuple(sorted(comm.summed)),
-        g.value if need else None, mesh, self._cmesh_for(mesh)))
+        g.value if need else None, mesh, self._cmesh_for(mesh),
+        views and (views[x], views[1 - x])))
     return True
 
   def _fuse_implicit_gather(self, members) -> bool:
@@ -257,11 +307,19 @@ class _Matcher:
     base["n_dots"] = len(members)
     if x is not None:
       base.update(operand=("lhs", "rhs")[x], dim_kind=dim_kind)
-    reason = _BOTH_OPERANDS if x is None else dtype_reason(deqn, gathered=x)
+    views, fp8_reason = (None, None) if x is None else self._fp8(deqn)
+    if views and len(members) > 1:  # the others would read the gathered 16-bit value
+      views, fp8_reason = None, None if not any(formats.is_fp8(u.aval.dtype)
+                                               for u in deqn.invars) else Reason(
+          "fp8_gathered_used", "several matmuls read the gathered value: an fp8 gather would "
+          "not replace it")
+    self._dtype(base, views)
+    reason = _BOTH_OPERANDS if x is None else fp8_reason or (
+        None if views else dtype_reason(deqn, gathered=x))
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
-    impl = self._impl("ag_matmul", deqn, shapes, comm.operand, comm.dim, n, mesh)
+    impl = self._impl("ag_matmul", deqn, shapes, comm.operand, comm.dim, n, mesh, views)
     match = Match(status=status_of(impl), reason="", impl=impl, **base)
     self._record(match)
     key = object() if len(members) > 1 else None  # env key of the gathered value
@@ -272,7 +330,8 @@ class _Matcher:
     self._place(first, i, AgFusion(
         match, v, specs[comm.operand], (), comm.dim, deqn, comm.operand,
         (specs[1 - comm.operand], specs[2], gathered_spec), tuple(sorted(comm.summed)), key,
-        mesh, self._cmesh_for(mesh)))
+        mesh, self._cmesh_for(mesh),
+        views and (views[comm.operand], views[1 - comm.operand])))
     return True
 
   # -- scatters ---------------------------------------------------------------------
@@ -349,16 +408,21 @@ class _Matcher:
     if dim is not None:
       base.update(dim_kind="batch" if dim < nb else "free",
                   operand=None if dim < nb else "lhs" if dim < nb + nlf else "rhs")
+    views, fp8_reason = self._fp8(deqn)
+    if (views or fp8_reason) and k > 1:
+      views, fp8_reason = None, Reason("sum_not_mergeable", "a sum of fp8 matmuls, each with its "
+                                       "own scales, is not one GEMM")
+    self._dtype(base, views)
     reason = reason or (
         Reason("layout_splits_dim", "a layout op between matmul and reduce-scatter splits the "
                "scattered dim") if dim is None else
         Reason("batch_dim", "scattered dim is a batch dim of the matmul") if dim < nb else
-        dtype_reason(deqn))
+        fp8_reason or (None if views else dtype_reason(deqn)))
     if reason:
       self._record(Match(status="skipped", reason=reason, **base))
       return False
     operand, op_dim = (0, dd.lf[dim - nb]) if dim < nb + nlf else (1, dd.rf[dim - nb - nlf])
-    impl = self._impl("matmul_rs", deqn, shapes, operand, op_dim, n, mesh)
+    impl = self._impl("matmul_rs", deqn, shapes, operand, op_dim, n, mesh, views)
     if k > 1:
       impl = Reason(impl.code, f"{impl}; {k} summed matmuls as one GEMM over concatenated "
                     "contracting dims")
@@ -370,7 +434,7 @@ class _Matcher:
     out_var = source_eqn.outvars[0]
     self._act(at, RsFusion(match, tuple(dots), pair or (None, None), dim, tuple(chain), in_specs,
                            out_var, spec_of(out_var), tuple(sorted(summed)), mesh,
-                           self._cmesh_for(mesh)))
+                           self._cmesh_for(mesh), views))
     for i in indices:
       self.claimed[i] = axis
     return True
