@@ -78,7 +78,7 @@ def test_fp8_loopback_within_the_formats_error_of_xlas_fp8_gemm(engine, op):
   ours = np.asarray(lb.fused_program(case, cfg, _sms())(*loop.fused_args()), np.float32)
   xla = np.asarray(gemm_program(case)(*loop.gemm_args()), np.float32) * case.scale
   if op == "rs":  # rank 0's rows: its own partial plus the peer's
-    xla = xla[:case.m // 2] + np.asarray(loop.peer, np.float32)
+    xla = xla[:case.m // 2] + np.asarray(loop.peers[0], np.float32)
   assert common.rel_err(ours, xla) <= 2 * max_rel_err(case)
 
 
@@ -90,7 +90,7 @@ def test_fp8_loopback_ag_gathers_fp8_bytes(engine):
   loop = lb.Loopback(case, GPUS[0], seed=3)
   cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
   program = lb.fused_program(case, cfg, _sms(), return_gathered=True, poison=True)
-  want = np.concatenate([np.asarray(loop.a), np.asarray(loop.peer)])
+  want = np.concatenate([np.asarray(loop.a), np.asarray(loop.peers[0])])
   for _ in range(2):
     _, gathered = program(*loop.fused_args())
     check_errors()
