@@ -391,26 +391,25 @@ def test_gemm_check_shapes_are_not_calibration_points():
 
 
 def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
-  """For a small shape the first call times two of the usual candidates and the narrower tiles
-  on both engines (sm_90, 16-bit) and split-K on tl; off sm_90 the tl ones only; large shapes
-  and 32-bit operands none of them."""
+  """For a small shape the first call times SMALL_KEEP of the usual candidates, then split-K
+  and the narrower tiles (both engines on sm_90 with 16-bit operands), MAX_CANDIDATES in all;
+  large shapes and 32-bit operands get the usual list."""
   sizes = (16, 4096, 768)  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: 16 rows per source
-  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
   usual = select.default_candidates("ag", 8, BF16, "9.0")
-  assert got[:2] == usual[:2]
-  small = got[2:]
-  assert {(c.engine, c.block_m, c.block_n) for c in small if c.split_k == 1} == {
-      (e, bm, bn) for e in ("tl", "gluon") for bm, bn in select.SMALL_TILES}
-  assert [c.engine for c in small if c.split_k > 1] == ["tl"]
+  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
+  assert len(got) == select.MAX_CANDIDATES and got[:select.SMALL_KEEP] == usual[:select.SMALL_KEEP]
+  small = got[select.SMALL_KEEP:]
+  assert small[0].split_k > 1 and small[0].engine == "tl"
+  assert {(c.engine, c.block_m, c.block_n) for c in small[1:]} == {
+      ("tl", 128, 128), ("gluon", 128, 128), ("tl", 64, 256)}
   assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
-  assert {c.engine for c in got} == {"tl"} and len(got) > 2
+  assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
                                           "9.0")
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
   f32, _ = select.first_call_candidates("ag", None, 8, sizes, 16, np.float32, np.float32, "9.0")
-  assert all(c.split_k == 1 and c.block_n == select.default_kernel(np.float32).block_n
-             for c in f32)
+  assert f32 == select.default_candidates("ag", 8, np.float32, "9.0")
 
 
 def test_small_shapes_get_narrower_tiles_and_split_k_candidates():

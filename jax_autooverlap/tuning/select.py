@@ -44,6 +44,7 @@ CHUNKS = (4, 8, 16, 2)
 MOVERS = (8, 16, 32)
 AUTOTUNE_CANDIDATES = 3  # the fit model's fastest configs the first call times
 MAX_CANDIDATES = 6       # kernel configs timed at most per shape (each is compiled)
+SMALL_KEEP = 2           # of those, the usual ones kept for a small shape (small_shape_configs)
 GLUON_CAPABILITY = "9.0"
 # The fixed candidates per group size (2, 4, 8; others take the next larger listed size).
 # tl engine: (chunks per peer's shard, mover CTAs) for AG, chunks for GEMM+RS.  Shards shrink
@@ -231,7 +232,8 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   """(candidates, predicted) of a first-call measurement: the fit model's fastest configs, then
   the fixed list (a derived model orders the tl ones), less what the kernel cannot run, at most
   MAX_CANDIDATES; for a small shape (small_shape_configs: fewer than SMALL_WAVES waves of
-  tiles) the first two of those and the narrower tiles and split-K, which no model ranks;
+  tiles) the first SMALL_KEEP of those, then narrower tiles and split-K (no model ranks them),
+  MAX_CANDIDATES in all;
   predicted: the model's (fused ms of the best tl candidate, unfused ms) or None."""
   rows, k, cols = sizes
   runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None
@@ -253,8 +255,11 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
            if c not in ordered]
-  keep = max(2, MAX_CANDIDATES - len(small)) if small else MAX_CANDIDATES
-  ordered = ordered[:keep] + small
+  # unmeasured preference: split-K (the most SMs busy), then each tile on each engine in turn
+  small.sort(key=lambda c: (c.split_k == 1, SMALL_TILES.index((c.block_m, c.block_n))
+                            if (c.block_m, c.block_n) in SMALL_TILES else len(SMALL_TILES)))
+  keep = SMALL_KEEP if small else MAX_CANDIDATES
+  ordered = ordered[:keep] + small[:MAX_CANDIDATES - min(keep, len(ordered))]
   if model is None:
     return tuple(ordered), None
   ranked = model.rank(op, rows, k, cols, [c for c in tl(ordered) if c.split_k == 1], out_item)
