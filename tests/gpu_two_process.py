@@ -1,7 +1,8 @@
 """Processes sharing one GPU run the fused kernels over a mesh of their devices (needs a GPU).
 
     python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
-        [--budget-s S] [--scenario kernels|missing_peer|nested_step|first_call]
+        [--budget-s S] [--timeout-s S]
+        [--scenario kernels|missing_peer|nested_step|first_call|fp8_step]
         [--engine tl|gluon [--wg-partitions]]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
@@ -10,7 +11,16 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false, jax.distributed on 127.0.0.1), one device
 per process, and prints a PASS/FAIL table (the first_call scenario also a table
 of its two runs), its verdict last; exit status 0 iff every check passed.
 --budget-s bounds the whole run: what would start after it is a FAIL row "not
-run", and the tables still print.
+run", and the tables still print.  --timeout-s replaces each run's own limit (TIMEOUT_S,
+longer for larger groups): for large AO_STEP_DIMS.
+
+AO_STEP_DIMS="D,F,S,L" (model dim, MLP hidden dim, tokens, layers; default 256,512,512,2)
+sizes the training steps of nested_step, first_call and fp8_step; S and F must be
+multiples of the process count.  E.g. a Llama-3-8B layer's TP+SP step,
+AO_STEP_DIMS=4096,14336,4096,1 (or S=8192): the first_call table's "first step s" is the
+first call's cost (trace, measure each shape, compile, run).  Each process also runs the
+step unsharded in f32 on its CPU for the reference (minutes at those sizes; not in that
+time).
 tests/test_gpu_multiprocess.py runs it under `pytest -m gpu`.
 
 NCCL refuses several ranks on one GPU, so the programs hold no XLA collectives:
@@ -44,6 +54,20 @@ Scenarios:
                 takes the same verdicts, the cache holds them, every row then runs the
                 kernel, results equal the CPU reference; the second run measures
                 nothing and runs the same kernels.
+  fp8_step      the nested_step layers in fp8 (impl="triton": every match on the kernel):
+                each matmul written as Flax's fp8 dot (our own custom_vjp op: per-tensor
+                scales as inputs, i.e. delayed scaling; operands `v / s -> clip -> e4m3`,
+                one dot_general of the fp8 values, the scales on its result; the backward
+                quantizes the cotangent to e5m2), the form whose forward AND backward the
+                rewrite fuses (the quantize-dequantize form, `astype(bf16) * s` before the
+                dot, fuses the forward only).  explain's 5 rows all fused: fwd AG+GEMM and
+                GEMM+RS and remat AG+GEMM in e4m3 x e4m3, bwd AG+GEMM and GEMM+RS in
+                e5m2 x e4m3; no plain collective; output, gradients and updated weights
+                against the same step unsharded in f32 on the CPU from the same fp8 values,
+                within the fp8 tolerance (jax_autooverlap/fp8.py: gemm_tolerance plus the
+                formats' quantization_error); two calls bit-identical.
+                tests/test_multiprocess.py runs nested_step, first_call and fp8_step on
+                2 CPU processes (the ops' pure-JAX reference).
 """
 from __future__ import annotations
 
@@ -62,10 +86,10 @@ TOL = 2e-2  # bf16 outputs
 # Checks each process must report (a crash must not pass as "nothing failed"), by process
 # (0, others).
 EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (5, 5),
-                   "first_call": (7, 7), "first_call_again": (7, 7)}
+                   "first_call": (7, 7), "first_call_again": (7, 7), "fp8_step": (6, 6)}
 TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300, "first_call": 420,
-             "first_call_again": 240}
-SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call")
+             "first_call_again": 240, "fp8_step": 300}
+SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call", "fp8_step")
 
 
 # --- worker ------------------------------------------------------------------
@@ -136,6 +160,11 @@ def _worker(scenario: str, me: int, n: int, port: str):
 
   if scenario == "nested_step":
     _nested_step(mesh, cfg, check, kv, "kernel")
+    kv.wait_at_barrier("ao-test/done", 300_000)
+    return
+
+  if scenario == "fp8_step":
+    _fp8_step(mesh, cfg, check, kv, "kernel")
     kv.wait_at_barrier("ao-test/done", 300_000)
     return
 
@@ -230,6 +259,28 @@ def _worker(scenario: str, me: int, n: int, port: str):
   kv.wait_at_barrier("ao-test/done", 300_000)
 
 
+def _step_dims(n: int) -> tuple[int, int, int, int]:
+  """(D, F, S, L) of the training steps: model dim, MLP hidden dim, tokens, layers; AO_STEP_DIMS
+  ("D,F,S,L") overrides the default.  S and F are split over the n processes (sequence and
+  tensor parallel), so both must be multiples of n."""
+  spec = os.environ.get("AO_STEP_DIMS", "").strip()
+  if not spec:
+    return 256, 512, 512, 2
+  parts = spec.split(",")
+  try:
+    dims = tuple(int(p) for p in parts)
+  except ValueError:
+    dims = ()
+  if len(parts) != 4 or len(dims) != 4 or min(dims) < 1:
+    raise ValueError(f"AO_STEP_DIMS={spec!r}: want four positive ints D,F,S,L (model dim, MLP "
+                     "hidden dim, tokens, layers), e.g. 4096,14336,4096,1")
+  D, F, S, L = dims
+  if S % n or F % n:
+    raise ValueError(f"AO_STEP_DIMS={spec!r}: S={S} and F={F} must be multiples of the "
+                     f"process count {n}")
+  return dims
+
+
 def _step_case(mesh, cfg):
   """The nested_step program: (step, (params, x, ct), the host arrays, the reference outputs:
   the same step run unsharded in f32 on this process's CPU)."""
@@ -240,7 +291,7 @@ def _step_case(mesh, cfg):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import jax_autooverlap as ao
-  D, F, S, L = 256, 512, 512, 2
+  D, F, S, L = _step_dims(mesh.shape["x"])
   rng = np.random.default_rng(99)
   as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
   host = {k: as_bf16(rng.standard_normal(shape) / np.sqrt(shape[1]))
@@ -282,9 +333,173 @@ def _step_case(mesh, cfg):
   return step, args, host, jax.tree.map(np.asarray, ref)
 
 
-def _check_step_results(check, got, host, ref) -> float:
+def _fp8_step_case(mesh, cfg):
+  """The fp8_step program: (step, (params, scales, x, ct), the host arrays, the reference
+  outputs: the same step run unsharded in f32 on this process's CPU, from the same fp8 values).
+
+  The SwiGLU layers of _step_case with every matmul an fp8 one, written as Flax's fp8 dot
+  writes it (our own op, `fp8_dot`): the operands quantized to e4m3 with per-tensor scales
+  that are inputs (delayed scaling: `v / s -> clip -> astype(e4m3)`), one dot_general of the
+  fp8 values into bf16, the scales applied to its result; its VJP quantizes the cotangent to
+  e5m2 and multiplies the fp8 values the same way.  That form fuses forward AND backward:
+  the gathered fp8 value may feed several dots (remat's recomputed matmul and the weight
+  gradient's), where the quantize-dequantize form (`astype(e4m3).astype(bf16) * s` before
+  the dot) fuses the forward only (its backward has 16-bit matmuls, and a dequantized gathered
+  value read by two dots stays unfused).  w1 and w3 are one weight w13 (L, D, 2, F), sharded on
+  F: one matmul reads the gathered activations, so the backward holds one matmul before its
+  reduce-scatter (a sum of two fp8 matmuls with their own scales is not one GEMM).
+  The host inputs are fp8 values times power-of-2 scales: quantizing them is exact on both
+  sides; the intermediates (h, the cotangents) are quantized in both from values that differ
+  by the GPU's bf16 roundings."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jax_autooverlap as ao
+  E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  D, F, S, L = _step_dims(mesh.shape["x"])
+  rng = np.random.default_rng(98)
+  pow2 = lambda v: float(2.0 ** np.round(np.log2(v)))
+
+  def on_grid(shape, std):  # N(0, std) rounded to e4m3 values times a power-of-2 scale
+    s = pow2(std / 16)  # |q| about 16 * N(0, 1): well inside e4m3's range (448)
+    q = np.asarray(jnp.asarray(rng.standard_normal(shape) * std / s, jnp.float32).astype(E4))
+    return q.astype(np.float32) * s, s
+
+  (W13, s13), (W2, s2) = on_grid((L, D, 2, F), D ** -0.5), on_grid((L, F, D), F ** -0.5)
+  (X, sx), (CT, _) = on_grid((S, D), 1.0), on_grid((S, D), 1.0)
+  host = {"w13": W13, "w2": W2}
+  # Per layer, per-tensor f32 scales (delayed scaling: inputs, not computed from the values):
+  # x, w13, w2 as generated; h = silu(y1) * y3 of O(1) values, |h| < 448 / 16 = 28; the
+  # cotangents in e5m2 (range 2**-16 .. 57344) at scale 1.
+  scale_host = {k: np.full((L,), v, np.float32) for k, v in (
+      ("x", sx), ("w13", s13), ("h", 1 / 16), ("w2", s2), ("g13", 1.0), ("g2", 1.0))}
+  specs = {"w13": P(None, None, None, "x"), "w2": P(None, "x", None)}
+  sspecs = {k: P() for k in scale_host}
+
+  def quantize(v, s, dtype):
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(v / s.astype(v.dtype), -top, top).astype(dtype)
+
+  def scaled_dot(qa, qb, scale, dn, out):
+    return lax.dot_general(qa, qb, dn, preferred_element_type=out) * scale.astype(out)
+
+  mm, mm_t, mm_k = (((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ()))
+
+  @jax.custom_vjp
+  def fp8_dot(a, b, sa, sb, sg):  # a (M, K) @ b (K, N) in e4m3 x e4m3, the result in a's dtype
+    return scaled_dot(quantize(a, sa, E4), quantize(b, sb, E4), sa * sb, mm, a.dtype)
+
+  def fp8_dot_fwd(a, b, sa, sb, sg):
+    qa, qb = quantize(a, sa, E4), quantize(b, sb, E4)
+    return scaled_dot(qa, qb, sa * sb, mm, a.dtype), (qa, qb, sa, sb, sg)
+
+  def fp8_dot_bwd(res, ct):  # the cotangent in e5m2; the scales get no gradient
+    qa, qb, sa, sb, sg = res
+    qg = quantize(ct, sg, E5)
+    da = scaled_dot(qg, qb, sg * sb, mm_t, ct.dtype)  # ct @ b^T
+    db = scaled_dot(qa, qg, sa * sg, mm_k, ct.dtype)  # a^T @ ct
+    return da, db, jnp.zeros_like(sa), jnp.zeros_like(sb), jnp.zeros_like(sg)
+
+  fp8_dot.defvjp(fp8_dot_fwd, fp8_dot_bwd)
+
+  def layer(x, p, s, gather, scatter):
+    g = gather(x)
+    w13 = p["w13"].reshape(p["w13"].shape[0], -1)  # [w1 | w3] of this shard's F columns
+    y = fp8_dot(g, w13, s["x"], s["w13"], s["g13"]).reshape(g.shape[0], 2, -1)
+    h = jax.nn.silu(y[:, 0]) * y[:, 1]
+    return x + scatter(fp8_dot(h, p["w2"], s["h"], s["w2"], s["g2"]))
+
+  def stack(params, scales, x, gather, scatter):
+    one = lambda x, ps: (jax.checkpoint(lambda x, p, s: layer(x, p, s, gather, scatter))(x, *ps),
+                         None)
+    return lax.scan(one, x, (params, scales))[0]
+
+  def train_step(model):
+    def step(params, scales, x, ct):
+      out, vjp = jax.vjp(lambda p, x: model(p, scales, x), params, x)
+      grads, dx = vjp(ct)
+      return out, dx, grads, jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+    return step
+
+  body = lambda params, scales, x: stack(
+      params, scales, x, lambda v: lax.all_gather(v, "x", axis=0, tiled=True),
+      lambda v: lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True))
+  model = ao.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, sspecs, P("x")),
+                               out_specs=P("x")), overlap_config=cfg)
+  step = jax.jit(train_step(model))
+
+  def place(a, spec, dtype=jnp.bfloat16):  # every process gives the blocks of its devices
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                        lambda i: jnp.asarray(a[i], dtype))
+
+  args = ({k: place(v, specs[k]) for k, v in host.items()},
+          {k: place(v, P(), jnp.float32) for k, v in scale_host.items()},
+          place(X, P("x")), place(CT, P("x")))
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):  # unsharded, f32, this CPU
+    ref = jax.jit(train_step(lambda p, s, x: stack(p, s, x, lambda v: v, lambda v: v)))(
+        {k: jnp.asarray(v) for k, v in host.items()},
+        {k: jnp.asarray(v) for k, v in scale_host.items()}, jnp.asarray(X), jnp.asarray(CT))
+  return step, args, host, jax.tree.map(np.asarray, ref)
+
+
+def _fp8_step(mesh, cfg, check, kv, mode):
+  """The fp8_step scenario (see the module docstring); mode "kernel" (GPUs) or "reference"
+  (CPU processes: the reference ring); kv None: one process."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import jax_autooverlap as ao
+  from jax_autooverlap import fp8
+  step, args, host, ref = _fp8_step_case(mesh, cfg)
+  D, F, S, L = _step_dims(mesh.shape["x"])
+  n = mesh.shape["x"]
+  report = ao.explain(step, *args)
+  runs = "triton kernel" if mode == "kernel" else "reference ring"
+  rows = [(m.phase, m.kind, m.status, m.dtype) for m in report]
+  check("fp8: every row fused", report.matches and all(
+      m.status == "fused" and m.impl and m.impl.startswith(runs) for m in report),
+      "; ".join(f"{m.phase} {m.kind} {m.status} {m.dtype} {m.impl or m.reason}" for m in report))
+  # forward and remat: e4m3 x e4m3; backward: the e5m2 cotangent times an e4m3 operand
+  want = sorted([("fwd", "ag_matmul"), ("fwd", "matmul_rs"), ("remat", "ag_matmul")]) + [
+      ("bwd", "ag_matmul"), ("bwd", "matmul_rs")]
+  want = [(p, k, "fused", ("e5m2xe4m3" if p == "bwd" else "e4m3xe4m3") + "->bfloat16")
+          for p, k in want]
+  check("fp8: 5 rows: forward, recomputed forward (e4m3 x e4m3), backward (e5m2 x e4m3)",
+        sorted(rows) == sorted(want), rows)
+  plain = _plain_collectives(step, args)
+  check("fp8: no plain collective in the program", not plain, plain)
+  if kv is not None:
+    kv.wait_at_barrier("ao-test/fp8-step-compiled", 300_000)
+  got = jax.block_until_ready(step(*args))
+  # Tolerances (jax_autooverlap/fp8.py).  Each fused GEMM is within gemm_tolerance of the f32
+  # product of its fp8 operands (K up to 2F; n partials summed in bf16).  The reference runs the
+  # same quantizations in f32; the inputs are exact fp8 values on both sides, but h and the
+  # cotangents are quantized from values that differ by the GEMMs' errors and the bf16
+  # roundings of the sharded step.  An element that lands on the other side of a rounding
+  # boundary moves by one step of its fp8 format, but only the few elements within that small
+  # difference of a boundary do: the normwise error they add stays below the formats' own
+  # error per product (quantization_error), which bounds it here: e4m3 x e4m3 for the output
+  # and input gradient, e5m2 x e4m3 (the cotangent's format) for the weight gradients and the
+  # updates (whose steps are larger than the weights).  On 2 CPU processes at the default
+  # sizes: out 3e-2, dx 7e-2, dw 8e-2 (fp8 roundings flipped by bf16's), against 0.14 / 0.20.
+  gemm = fp8.gemm_tolerance(2 * F, jnp.bfloat16, partials=n)
+  tol_out = gemm + fp8.quantization_error(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
+  tol_grad = gemm + fp8.quantization_error(jnp.float8_e5m2, jnp.float8_e4m3fn)
+  _check_step_results(check, got, host, ref, "fp8", tol=(tol_out, tol_grad))
+  again = jax.block_until_ready(step(*args))
+  local = lambda a: np.asarray(a.addressable_shards[0].data, np.float32)
+  diffs = [float(np.max(np.abs(local(a) - local(b)))) for a, b in
+           zip(jax.tree.leaves(got), jax.tree.leaves(again))]
+  check("fp8: two calls bit-identical", max(diffs) == 0.0, f"max |diff| {max(diffs)}")
+
+
+def _check_step_results(check, got, host, ref, name="nested", tol=(TOL, TOL)) -> float:
   """Output, input gradient, every weight gradient and update against the reference (this
-  process's first block of each); the largest relative error."""
+  process's first block of each); the largest relative error.  tol: (output and input
+  gradient, weight gradients and updates)."""
   import numpy as np
   out, dx, grads, new = got
 
@@ -296,10 +511,12 @@ def _check_step_results(check, got, host, ref) -> float:
 
   errs = {"out": rel(out, ref[0]), "dx": rel(dx, ref[1]),
           **{f"d{k}": rel(grads[k], ref[2][k]) for k in host}}
-  check("nested: output and every gradient equal the CPU reference", max(errs.values()) < TOL,
-        {k: f"{e:.1e}" for k, e in errs.items()})
+  bounds = {k: tol[0] if k in ("out", "dx") else tol[1] for k in errs}
+  check(f"{name}: output and every gradient equal the CPU reference",
+        all(errs[k] < bounds[k] for k in errs),
+        {k: f"{e:.1e}" for k, e in errs.items()} | ({"tol": tol} if tol != (TOL, TOL) else {}))
   updates = {k: rel(new[k], ref[3][k]) for k in host}
-  check("nested: updated weights equal the CPU reference", max(updates.values()) < TOL,
+  check(f"{name}: updated weights equal the CPU reference", max(updates.values()) < tol[1],
         {k: f"{e:.1e}" for k, e in updates.items()})
   return max(*errs.values(), *updates.values())
 
@@ -382,6 +599,7 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
         f"{sum(k in on_disk for k in mine)} of {len(mine)} in {store.user_cache_dir()}")
   fused = sum(v["impl"] == "triton" for v in mine.values())
   return {"process": jax.process_index(), "world": n, "run": 2 if again else 1,
+          "dims": ",".join(map(str, _step_dims(n))),
           "verdicts": len(mine), "fused": fused, "measured": measured, "max_rel_err": err,
           "first_step_s": round(t_step, 1), "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -399,9 +617,10 @@ class Run:
   returns (checks, combined output tail, INFO records).  Outputs go to files, so that no
   process blocks on a full pipe while another is waited for."""
 
-  def __init__(self, scenario: str, world: int, env_extra=None, budget_s: float = float("inf")):
+  def __init__(self, scenario: str, world: int, env_extra=None, budget_s: float = float("inf"),
+               timeout_s: float | None = None):
     self.scenario, self.world = scenario, world
-    self.timeout_s = min(TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
+    self.timeout_s = min(timeout_s or TIMEOUT_S[scenario] * (1 + world / 4), budget_s)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("AO_TEST_GPU", "0"),
                XLA_PYTHON_CLIENT_PREALLOCATE="false", **(env_extra or {}))
     env.pop("XLA_FLAGS", None)  # no virtual CPU devices from a test session
@@ -447,13 +666,15 @@ class Run:
 def _first_call_table(info: list[dict], checks: list[dict]) -> list[str]:
   """One row per group size and run: what process 0 saw, and the checks of every process."""
   failed = lambda name: sum(not c["ok"] for c in checks if c["scenario"] == name)
-  lines = [f"{'world':>5} {'run':>3} {'measured':>8} {'verdicts':>8} {'fused':>5} "
-           f"{'max rel err':>11} {'first step s':>12} {'run s':>6}  checks (all processes)"]
+  lines = [f"{'world':>5} {'run':>3} {'D,F,S,L':>16} {'measured':>8} {'verdicts':>8} "
+           f"{'fused':>5} {'max rel err':>11} {'first step s':>12} {'run s':>6}  checks "
+           "(all processes)"]
   for r in sorted(info, key=lambda r: (r["world"], r["run"])):
     if r["process"] == 0:
       name = f"{'first_call' if r['run'] == 1 else 'first_call_again'} x{r['world']}"
       bad = failed(name)
-      lines.append(f"{r['world']:>5} {r['run']:>3} {r['measured']:>8} {r['verdicts']:>8} "
+      lines.append(f"{r['world']:>5} {r['run']:>3} {r['dims']:>16} {r['measured']:>8} "
+                   f"{r['verdicts']:>8} "
                    f"{r['fused']:>5} {r['max_rel_err']:>11.1e} {r['first_step_s']:>12.1f} "
                    f"{r['seconds']:>6.1f}  {f'{bad} FAILED' if bad else 'PASS'}")
   return lines
@@ -475,6 +696,12 @@ def main(argv) -> int:
       return 2
     os.environ["AO_TEST_WG_PARTITIONS"] = "1"
   budget = float(argv[argv.index("--budget-s") + 1]) if "--budget-s" in argv else float("inf")
+  timeout = float(argv[argv.index("--timeout-s") + 1]) if "--timeout-s" in argv else None
+  try:  # a bad AO_STEP_DIMS is an error here, not a crash in every process
+    [_step_dims(w) for w in worlds]
+  except ValueError as e:
+    print(e, file=sys.stderr)
+    return 2
   deadline = time.monotonic() + budget
   # phases: each scenario's runs in order (first_call: twice, new processes, one fresh cache per
   # group size); --parallel starts a phase's runs of every group size at once
@@ -492,7 +719,8 @@ def main(argv) -> int:
       checks += [{"scenario": f"{run} x{world}", "process": "-", "ok": False, "check": "not run",
                   "detail": f"--budget-s {budget:g} spent"} for run, world in batch]
       continue
-    started = [Run(run, world, caches[world] if run.startswith("first_call") else {}, left)
+    started = [Run(run, world, caches[world] if run.startswith("first_call") else {}, left,
+                   timeout)
                for run, world in batch]
     for run in started:
       c, t, i = run.finish()

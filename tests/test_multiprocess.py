@@ -299,6 +299,20 @@ def test_gpu_two_process_nested_step_scenario_on_cpu_processes():
     assert len(p["checks"]) == 5
 
 
+def test_gpu_two_process_fp8_step_scenario_on_cpu_processes():
+  """The harness's fp8 TP+SP training step on two CPU processes (the fused fp8 ops' reference
+  ring): forward and recomputed forward in e4m3 x e4m3, backward in e5m2 x e4m3, every row
+  fused, no plain collective, output, gradients and updates within the fp8 tolerance of the
+  unsharded f32 step, two calls bit-identical (on a GPU the same scenario runs the kernels)."""
+  for p in _run_processes("fp8_step", timeout=240):
+    failed = {k: v for k, v in p["checks"].items() if not v[0]}
+    # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
+    assert set(failed) == {"fp8: every row fused"}, failed
+    detail = failed["fp8: every row fused"][1]
+    assert detail.count(" fused ") == 5 and detail.count("reference") == 5, detail
+    assert len(p["checks"]) == 6
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_first_call_verdict_agreed_by_every_process(tmp_path, n):
   """Each process times the same programs, and they disagree: process 0 alone would choose
