@@ -100,7 +100,7 @@ def assert_scratch_is_the_operand(ptx):
   assert f"[{params[-3]}]" in ptx, "the scratch operand is never read"
 
 
-def _check_ag(ptx, cfg):
+def _check_ag(ptx, cfg, dtype):
   assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx, "consumer lost its system-scope acquire"
@@ -116,7 +116,7 @@ def _check_ag(ptx, cfg):
   _check_dtype(ptx, dtype)
 
 
-def _check_rs(ptx, cfg):
+def _check_rs(ptx, cfg, dtype):
   assert "wgmma.mma_async" in ptx, "GEMM lost its tensor-core (wgmma) path"
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx, "owner lost its system-scope acquire"
@@ -137,7 +137,7 @@ def test_ag_gemm_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   dtype, cfg = dtype_cfg
   m, k, n = shape
   _check_ag(_ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
-                 return_gathered=(m == 300)), cfg)
+                 return_gathered=(m == 300)), cfg, dtype)
 
 
 @pytest.mark.parametrize("dtype_cfg", _tuner_configs("rs"), ids=_ID)
@@ -146,7 +146,7 @@ def test_gemm_rs_compiles_with_fast_paths(monkeypatch, tmp_path, dtype_cfg, shap
   dtype, cfg = dtype_cfg
   m, k, n = shape
   _check_rs(_ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=2,
-                 return_gathered=False, op="rs"), cfg)
+                 return_gathered=False, op="rs"), cfg, dtype)
 
 
 @pytest.mark.parametrize("case", candidate_configs(),
@@ -159,7 +159,7 @@ def test_first_call_candidates_compile_at_their_group_size(monkeypatch, tmp_path
   m, k, n = (2048, 8192, 4096) if op == "ag" else (4096, 4096, 8192)
   ptx = _ptx(monkeypatch, tmp_path, jnp.dtype(dtype), cfg, m, k, n, world=world,
              return_gathered=False, op=op)
-  (_check_ag if op == "ag" else _check_rs)(ptx, cfg)
+  (_check_ag if op == "ag" else _check_rs)(ptx, cfg, dtype)
 
 
 @pytest.mark.parametrize("engine", ["tl", "gluon"])

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_autooverlap.ops import measure, registry
 from jax_autooverlap.ops.dims import DotDims
