@@ -451,3 +451,34 @@ def test_reference_blocks_are_this_devices_block_of_the_product():
       np.testing.assert_allclose(np.asarray(case.reference(1, d)), want[index], rtol=1e-5,
                                  atol=1e-4)
   assert measure.tolerance(BF16, BF16) == 2e-2 and measure.tolerance(BF16, np.float32) == 2e-2
+
+
+def test_processes_sharing_a_gpu_skip_the_unfused_program_up_front(monkeypatch):
+  """Processes that share a GPU (told apart by UUID, not by their ordinals) cannot run the
+  unfused program (NCCL refuses them, slowly): measure.shared_gpus says so before anything is
+  compiled, and that program fails at once with the reason."""
+  from types import SimpleNamespace as NS
+  monkeypatch.setattr(measure.jax, "process_index", lambda: 0)
+  uuid_of = {0: "aa"}
+  monkeypatch.setattr(measure.cuda, "device_uuid", lambda ordinal: uuid_of[ordinal])
+  gpu = lambda p: NS(process_index=p, platform="gpu", local_hardware_id=0)
+  mesh = NS(devices=np.array([gpu(0), gpu(1)]))
+
+  class Agreement:
+    def __init__(self, others):
+      self.others, self.steps = others, []
+
+    def exchange(self, step, payload):
+      self.steps.append(step)
+      return {0: payload, 1: self.others}
+
+  same = Agreement(["aa"])
+  assert "1 GPU(s) of the mesh are shared by several processes" in measure.shared_gpus(mesh, same)
+  assert same.steps == ["gpus"]
+  assert measure.shared_gpus(mesh, Agreement(["bb"])) is None  # both ordinal 0, two GPUs
+  cpu = NS(devices=np.array([NS(process_index=0, platform="cpu", local_hardware_id=0)]))
+  quiet = Agreement(["aa"])
+  assert measure.shared_gpus(cpu, quiet) is None and quiet.steps == []  # nothing exchanged
+  program = measure._Program("unfused", None, "ag_rows", None, not_run="2 GPUs shared")
+  with pytest.raises(RuntimeError, match="not run: 2 GPUs shared"):
+    program.compile()

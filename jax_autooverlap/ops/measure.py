@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_autooverlap.ops import registry
-from jax_autooverlap.runtime import rendezvous
+from jax_autooverlap.runtime import cuda, rendezvous
 from jax_autooverlap.tuning import autotune, select
 from jax_autooverlap.tuning.config import KernelConfig
 
@@ -139,8 +139,11 @@ class _Program:
   core_name: str
   cp: object
   fn: Callable | None = None
+  not_run: str | None = None  # why this program cannot run here: it fails at once, saying so
 
   def compile(self):
+    if self.not_run:
+      raise RuntimeError(f"not run: {self.not_run}")
     core, case = registry.core(self.core_name), self.case
 
     def body(x, w):
@@ -182,6 +185,23 @@ class _Agreement:
     return decision.ok, decision.reason
 
 
+def shared_gpus(mesh, agreement) -> str | None:
+  """Why the unfused program cannot run on `mesh`, if processes of it share a GPU (each seeing
+  it as its device: a test set-up), else None.  NCCL refuses such a group, after tens of
+  seconds of connection retries at 8 processes; told up front, the measurement skips that.
+  GPUs are told apart by UUID (CUDA_VISIBLE_DEVICES numbers them per process)."""
+  mine = [d for d in np.asarray(mesh.devices).flat if d.process_index == jax.process_index()]
+  if not mine or mine[0].platform != "gpu":
+    return None
+  uuids = agreement.exchange("gpus", [cuda.device_uuid(d.local_hardware_id) for d in mine])
+  seen = collections.Counter(u for per_process in uuids.values() for u in per_process)
+  shared = sum(c > 1 for c in seen.values())
+  if not shared:
+    return None
+  return (f"{shared} GPU(s) of the mesh are shared by several processes, "
+          "which NCCL refuses")
+
+
 def describe_call(op: str, world: int, sizes, dtype) -> str:
   """ "ag 8192x4096x4096 bf16 on 8 GPUs": the global M x K x N as the benchmarks name shapes."""
   rows, k, cols = sizes
@@ -210,7 +230,9 @@ def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, 
     case = _Case(op, mesh, axis_name, sizes, dtype, out_dtype)
     kernels = (None, *verdict.candidates)
     labels = (autotune.UNFUSED, *map(str, range(len(verdict.candidates))))
-    return [_Program(label, case, op, params(kernel)) for label, kernel in zip(labels, kernels)]
+    out = [_Program(label, case, op, params(kernel)) for label, kernel in zip(labels, kernels)]
+    out[0].not_run = shared_gpus(mesh, agreement)
+    return out
 
   return autotune.tune(op[:2], verdict, programs, agreement, what, len(processes))
 

@@ -105,6 +105,14 @@ def sm_count(ordinal: int) -> int:
 
 
 @functools.cache
+def device_uuid(ordinal: int) -> str:
+  """The GPU's UUID (the same in every process that sees this GPU, whatever its ordinal there)."""
+  raw = (ctypes.c_ubyte * 16)()
+  _check(_lib().cuDeviceGetUuid(ctypes.byref(raw), _device(ordinal)), "cuDeviceGetUuid")
+  return bytes(raw).hex()
+
+
+@functools.cache
 def device_properties(ordinal: int) -> dict:
   """SMs, SM boost clock (MHz) and memory bandwidth (GB/s: double data rate x bus width) as the
   driver reports them."""
