@@ -195,8 +195,14 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   picked = select.choose_ag(OverlapConfig(autotune=False), "NVIDIA H200", 2, 2048, 8192, 4096,
                             jnp.bfloat16, jnp.bfloat16).kernel
   picked = picked or select.default_kernel(jnp.bfloat16)
-  for cfg in cfgs.values():
-    assert (cfg.chunks, cfg.num_comm, cfg.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
+  tl, gl = cfgs["tl"], cfgs["gluon"]
+  assert (tl.chunks, tl.num_comm, tl.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
+  if picked.engine == "gluon":
+    assert gl == picked
+  else:  # a tl pick's movers are CTAs; the Gluon variant takes the group's Gluon movers (warps)
+    first = [c for c in select.default_candidates("ag", 2, jnp.bfloat16, "9.0")
+             if c.engine == "gluon"][0]
+    assert (gl.chunks, gl.num_comm, gl.block_n) == (first.chunks, first.num_comm, picked.block_n)
   # a group of 8: the tuner's pick for that group (no cost model there: the default)
   cfgs = cli.kernel_configs(fixture.Case("rs", 8192, 4096, 4096, world=8), "NVIDIA H200",
                             ["tl", "gluon"])

@@ -21,9 +21,9 @@ log = common.logger("loopback")
 
 
 def kernel_configs(case: Case, device_kind: str, engines) -> dict:
-  """{engine: KernelConfig}: the tuner's config for the two-GPU op of this shape (its cached
+  """{engine: KernelConfig}: the tuner's config for the op of this shape in its group (its cached
   verdict, else the fit model's, else the default: nothing is measured here), with each
-  engine."""
+  engine (the Gluon one with Gluon movers where the pick is a tl config)."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype, out_dtype, w = np_dtype(case.dtype), np_dtype(case.out_dtype), case.world
@@ -34,10 +34,16 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
     v = select.choose_rs(OverlapConfig(autotune=False), device_kind, w, case.m, case.k // w,
                          case.n, dtype, out_dtype)
   base = v.kernel or select.default_kernel(dtype)
+  # a tl pick's movers are CTAs, the Gluon engine's are warps: where the tuner picked tl, the
+  # Gluon variant takes the chunks and movers of the group's first Gluon first-call candidate
+  gluon = next((c for c in select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY)
+                if c.engine == "gluon"), None)
   out = {}
   for engine in engines:
     try:
       cfg = dataclasses.replace(base, engine=engine)
+      if engine == "gluon" and base.engine != "gluon" and gluon is not None:
+        cfg = dataclasses.replace(cfg, chunks=gluon.chunks, num_comm=gluon.num_comm)
     except ValueError as e:  # the tuner's tiles do not fit this engine
       log(f"{case.op} {case.label}: engine {engine} skipped: {e}")
       continue
