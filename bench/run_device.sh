@@ -15,7 +15,8 @@
 #   first-call            tests/gpu_two_process.py --scenario first_call --parallel: groups of WORLDS
 #                         (default 8,4,2) processes sharing the GPU, all at once, the default
 #                         config's first-call measurement, run twice on one cache per group;
-#                         bounded by FIRST_CALL_BUDGET_S (default 270); the table last
+#                         bounded by FIRST_CALL_BUDGET_S (default 270); the table last;
+#                         FIRST_CALL_SERIAL=1: one group size after the other
 #   any/path.py           a Python script run in the same environment (experiments)
 # TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
 # Logs and JSON go to $OUT; each step is bounded by `timeout`.
@@ -64,7 +65,8 @@ for step in "$@"; do
       timeout ${BENCH_TIMEOUT:-420} python3 bench/ncu_engine.py --out "$OUT" "${bench_args[@]}" \
         2>&1 | tee "$OUT/ncu-engine.log" ;;
     first-call)
-      timeout $(( ${FIRST_CALL_BUDGET_S:-270} + 30 )) python3 tests/gpu_two_process.py --parallel \
+      timeout $(( ${FIRST_CALL_BUDGET_S:-270} + 30 )) python3 tests/gpu_two_process.py \
+        $([[ -n ${FIRST_CALL_SERIAL:-} ]] || echo --parallel) \
         --scenario first_call --world "${WORLDS:-8,4,2}" --budget-s "${FIRST_CALL_BUDGET_S:-270}" \
         --log "$OUT/first-call.log" 2>&1 | tee "$OUT/first-call.stdout" | tail -40 ;;
     *.py)
