@@ -296,7 +296,7 @@ def test_gpu_two_process_nested_step_scenario_on_cpu_processes():
     # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
     assert set(failed) == {"nested: every row fused"}, failed
     assert "reference" in failed["nested: every row fused"][1]
-    assert len(p["checks"]) == 5
+    assert len(p["checks"]) == 6
 
 
 def test_gpu_two_process_fp8_step_scenario_on_cpu_processes():
