@@ -204,17 +204,11 @@ def main(argv=None) -> int:
             + (f"  also {','.join(e.also)}" if e.also else ""))
     print(f"{len(entries)} entries")
     return 0
-  import jax
   import numpy as np
   from jax_autooverlap.bench.loopback import cli
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  gpus, engines = cli.gpus_and_engines(args.engines, "bench shapes --loopback")
   if not gpus:
-    print("bench shapes --loopback: needs an NVIDIA GPU", file=sys.stderr)
     return 2
-  engines = [e for e in args.engines.split(",") if e]
-  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
-    log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
-    engines.remove("gluon")
   gpu, versions = common.gpu_name(gpus[0]), common.versions()
   date = datetime.date.today().isoformat()
   out_dir = pathlib.Path(args.out)

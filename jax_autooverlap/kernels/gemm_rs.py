@@ -110,21 +110,13 @@ def gemm_rs_kernel(
     row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT_K == 1:
-      for k in range(0, K, BLOCK_K):
-        if FP8:
-          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
-        else:
-          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_K, FP8)
       if FP8:
         acc = acc * scale
       finish = True
     else:
       k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
-      for k in range(k_lo, k_hi, BLOCK_K):
-        if FP8:
-          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([tn * BLOCK_N, k]).T, acc)
-        else:
-          acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, tn * BLOCK_N]), acc)
+      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
       if FP8:
         acc = acc * scale  # each part scaled: the sum of the parts is the scaled sum
       # split counters: this rank's own row of the arrival counters (split_k.py)

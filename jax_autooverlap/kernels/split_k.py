@@ -1,4 +1,4 @@
-"""Split-K for the `tl` fused kernels (KernelConfig.split_k = S > 1): where a shape has fewer
+"""The `tl` fused kernels' main loop (dot_k) and their split-K (KernelConfig.split_k = S > 1): where a shape has fewer
 output tiles than SMs, each tile's k-blocks are cut into S parts, each part a work unit of its
 own (units t*S .. t*S + S - 1 of tile t, handed out by the kernel's tile counter), so S times
 as many CTAs work on the GEMM.
@@ -22,6 +22,18 @@ after it; those loads bypass L1 (`.cg`), which is not coherent between SMs.
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
+  """acc + a[row0 tile, k_lo:k_hi] @ b[k_lo:k_hi, col0 tile]: the main loop of the `tl` fused
+  kernels, split or not.  fp8: b is K-major ([N, K]; wgmma reads fp8 B K-major only)."""
+  for k in range(k_lo, k_hi, BLOCK_K):
+    if FP8:
+      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([col0, k]).T, acc)
+    else:
+      acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, col0]), acc)
+  return acc
 
 
 @triton.jit

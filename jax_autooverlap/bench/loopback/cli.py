@@ -268,19 +268,28 @@ def parse_args(argv):
   return parser().parse_args(argv)
 
 
+def gpus_and_engines(engines_arg: str, what: str):
+  """(this process's GPUs, the engines of the comma-separated list that run on them): Gluon
+  only on sm_90.  No GPU: ([], []) after saying so on stderr."""
+  import jax
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if not gpus:
+    print(f"{what}: needs an NVIDIA GPU", file=sys.stderr)
+    return [], []
+  engines = [e for e in engines_arg.split(",") if e]
+  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
+    log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
+    engines.remove("gluon")
+  return gpus, engines
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
            for s in args.shapes.split(",")]
-  import jax
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  gpus, engines = gpus_and_engines(args.engines, "bench --loopback")
   if not gpus:
-    print("bench --loopback: needs an NVIDIA GPU", file=sys.stderr)
     return 2
-  engines = [e for e in args.engines.split(",") if e]
-  if "gluon" in engines and str(getattr(gpus[0], "compute_capability", "")) != "9.0":
-    log(f"engine gluon skipped: it is for sm_90, this GPU is {gpus[0].device_kind}")
-    engines.remove("gluon")
   gpu, versions = common.gpu_name(gpus[0]), common.versions()
   date = datetime.date.today().isoformat()
   records, timelines, raw_traces = [], [], {}
