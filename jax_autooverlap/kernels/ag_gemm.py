@@ -146,22 +146,19 @@ def ag_gemm_kernel(
       row0 += src * M_SHARD
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT_K == 1:
-      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_K, FP8)
-      if FP8:
-        acc = acc * scale
-      o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                   acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+      k_lo, k_hi = 0, K
     else:
       k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
-      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
-      if FP8:
-        acc = acc * scale  # each part scaled: the sum of the parts is the scaled sum
-      # split counters: this rank's own row of the arrival counters (split_k.py)
+    acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
+    if FP8:
+      acc = acc * scale  # split: each part scaled, so the sum of the parts is the scaled sum
+    last = True
+    if SPLIT_K > 1:  # split counters: this rank's own row of the arrival counters (split_k.py)
       acc, last = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
                                   my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
-      if last:
-        o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                     acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+    if last:  # else another part of this tile stores it
+      o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
+                   acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

@@ -110,16 +110,14 @@ def gemm_rs_kernel(
     row0 = owner * M_OUT + tm * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SPLIT_K == 1:
-      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, 0, K, BLOCK_K, FP8)
-      if FP8:
-        acc = acc * scale
-      finish = True
+      k_lo, k_hi = 0, K
     else:
       k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
-      acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
-      if FP8:
-        acc = acc * scale  # each part scaled: the sum of the parts is the scaled sum
-      # split counters: this rank's own row of the arrival counters (split_k.py)
+    acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
+    if FP8:
+      acc = acc * scale  # split: each part scaled, so the sum of the parts is the scaled sum
+    finish = True
+    if SPLIT_K > 1:  # split counters: this rank's own row of the arrival counters (split_k.py)
       acc, finish = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
                                     my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
     if pending != 0:
