@@ -116,7 +116,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, num_sms=16):
   why = select.split_k_unsupported(cfg, world * tm * tn, kk)  # what the launchers refuse
   if why:
     raise ValueError(why)
-  consts = kernel_constants(cfg, world, tm, num_ctas, 1.0, 0)
+  consts = kernel_constants(cfg, world, tm, num_ctas, 1.0, 0,
+                            workspace.parity_bytes(world, fixture.workspace_bytes(case)))
   partials = np.zeros(max(4, world * tm * tn * split_k * block_m * block_n), np.float32)
   scratch = np.zeros(num_ctas * 1024, np.uint8)
   problems = []

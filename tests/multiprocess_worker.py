@@ -73,7 +73,7 @@ def workspace_scenario(real_driver=False):
   reg = workspace.WorkspaceRegistry(driver=drv)
   mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices())
   result["support"] = {a: dataclasses.asdict(reg.support(mesh, a)) for a in ("dp", "tp")}
-  ws = reg.workspace(mesh, 300_000)  # grown collectively
+  ws = reg.workspace(mesh, "tp", 300_000)  # grown collectively
   result["addresses"] = [hex(a) for a in ws.addresses]
   result["nbytes"], result["num_sms"] = ws.nbytes, ws.num_sms
   result["error_record"] = reg.error_record().device_address

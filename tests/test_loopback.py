@@ -95,6 +95,7 @@ def test_rank0_workspace_holds_each_peers_piece_in_both_parity_slots(op, world):
   expected[slot:slot + 8] = host[slot:slot + 8]
   for src, piece in enumerate(pieces, start=1):
     for parity in (0, 1):
+      # exactly sized: slot 1 follows slot 0 (runtime/workspace.py parity_bytes)
       off = workspace.buffer_offset(world) + (parity * world + src) * nbytes
       assert fixture.piece_offset(case, parity, src) == off
       got = host[off:off + nbytes].view(piece.dtype).reshape(piece.shape)

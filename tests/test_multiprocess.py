@@ -109,7 +109,7 @@ def test_single_process_workspace_is_symmetric_zeroed_and_grown():
   reg = workspace.WorkspaceRegistry(driver=drv)
   mesh = _cpu_mesh((2, 4), ("dp", "tp"))
   assert reg.support(mesh, "tp") == workspace.Support(True, "1 process", 1)
-  ws = reg.workspace(mesh, 1000)
+  ws = reg.workspace(mesh, "tp", 1000)
   stride = ws.addresses[1] - ws.addresses[0]
   assert stride == ws.nbytes == FakeDriver.GRANULARITY and ws.num_sms == 132
   assert list(ws.addresses) == [ws.addresses[0] + i * stride for i in range(8)]
@@ -122,10 +122,24 @@ def test_single_process_workspace_is_symmetric_zeroed_and_grown():
   for a in ws.addresses:  # zeroed; every device may access every device's workspace
     assert a in drv.zeroed and drv.access[a] == tuple(range(8))
   drv.write(0, ws.addresses[0], b"\x07")  # programs compiled earlier keep this memory
-  bigger = reg.workspace(mesh, 3 * FakeDriver.GRANULARITY)
+  bigger = reg.workspace(mesh, "tp", 3 * FakeDriver.GRANULARITY)
   assert bigger.nbytes == 3 * FakeDriver.GRANULARITY and bigger.addresses != ws.addresses
   assert drv.read(ws.addresses[0], 1) == b"\x07" and drv.live()["mapped"] == 16
-  assert reg.workspace(mesh, 100).addresses == bigger.addresses  # no growth needed
+  assert reg.workspace(mesh, "tp", 100).addresses == bigger.addresses  # no growth needed
+  reg.close()
+  assert drv.live() == {"handles": 0, "reserved": 0, "mapped": 0}
+
+
+def test_each_axis_of_a_mesh_has_a_workspace_of_its_own():
+  """Calls over another axis have other peers, whose progress does not order this axis's
+  parity slots (runtime/workspace.py): each axis's calls get their own memory and epochs."""
+  drv = FakeDriver()
+  reg = workspace.WorkspaceRegistry(driver=drv)
+  mesh = _cpu_mesh((2, 4), ("dp", "tp"))
+  assert reg.support(mesh, "dp").ok and reg.support(mesh, "tp").ok
+  dp, tp = reg.workspace(mesh, "dp", 1000), reg.workspace(mesh, "tp", 1000)
+  assert not set(dp.addresses) & set(tp.addresses)
+  assert reg.workspace(mesh, "dp", 1000) == dp  # the same again
   reg.close()
   assert drv.live() == {"handles": 0, "reserved": 0, "mapped": 0}
 
@@ -137,7 +151,7 @@ def test_workspace_failure_falls_back_with_the_reason():
   assert not s.ok and "does not support CUDA virtual memory management" in s.reason
   assert "process 0" in s.reason
   with pytest.raises(RuntimeError, match="no symmetric workspace"):
-    reg.workspace(mesh, 100)
+    reg.workspace(mesh, "tp", 100)
 
 
 def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch):
@@ -160,9 +174,9 @@ def test_planning_sizes_the_workspace_and_falls_back_when_it_cannot(monkeypatch)
   assert plan(512)[:3:2] == ("triton", "triton kernel (measured; tl engine)")
   need = workspace.kernel_bytes("ag_rows", 2, 512, 1024, 512, bf16, bf16)
   assert need > FakeDriver.GRANULARITY
-  planned = workspace.REGISTRY.workspace(mesh, 1)
+  planned = workspace.REGISTRY.workspace(mesh, "tp", 1)
   assert planned.nbytes >= need
-  assert workspace.REGISTRY.workspace(mesh, need) == planned  # emission: no growth left
+  assert workspace.REGISTRY.workspace(mesh, "tp", need) == planned  # emission: no growth left
   impl, _, why = plan(4096)  # 4096 x 1024 bf16 shards: 32 MiB of buffers > 8 MiB of memory
   assert impl == "unfused" and "out of memory" in why and "symmetric workspace" in why
   with pytest.raises(ValueError, match="impl='triton' cannot run here: .*out of memory"):

@@ -73,12 +73,34 @@ def test_impl_triton_off_gpu_is_an_error():
     plan("ag_rows", ao.OverlapConfig(impl="triton"), 2, (1, 8, 64, 8), np.float32, np.float32)
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_calls_parity_slot_never_overlaps_the_other_slot_of_any_call_on_the_workspace(world):
+  """Calls of different sizes share a workspace (an fp8 all-gather's shards are half a bf16
+  reduce-scatter's slots): a call on slot p must not touch slot 1 - p of ANY call, which the
+  call before it may still be reading on a peer.  Slots packed by the call's own size
+  overlapped (the fp8 training step's corruption, one H200, 2026-12-02)."""
+  e4, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+  calls = [("ag_rows", 256, 256, 512, e4, bf16), ("rs_rows", 512, 256, 256, e4, bf16),
+           ("ag_rows", 256, 256, 512, bf16, bf16), ("rs_rows", 24, 8, 40, bf16, bf16),
+           ("ag_rows", 3, 5, 7, e4, bf16)]
+  needs = [workspace.kernel_bytes(op, world, *dims, dt, out) for op, *dims, dt, out in calls]
+  buf = workspace.buffer_offset(world)
+  for nbytes in (max(needs), max(needs) + 4096, 3 * max(needs) + 17):  # as grown, any size
+    half = workspace.parity_bytes(world, nbytes)
+    assert half % 16 == 0
+    for need in needs:
+      used = (need - buf) // 2  # one slot's bytes (world pieces)
+      assert used <= half  # slot 0 ends before slot 1 starts
+      assert buf + half + used <= nbytes  # slot 1 inside the workspace
+
+
 def test_workspace_layout_and_address_table():
   from types import SimpleNamespace
   from jax_autooverlap.backends.triton import _address_table
   assert workspace.buffer_offset(2) % 1024 == 0
   assert workspace.buffer_offset(8) >= workspace.FLAGS_OFFSET + workspace.flags_bytes(8)
   assert workspace.required_bytes(2, 1 << 20) == workspace.buffer_offset(2) + 4 * (1 << 20)
+  assert workspace.parity_bytes(2, workspace.required_bytes(2, 1 << 20)) == 2 << 20
   devices = np.arange(8).reshape(2, 4)  # mesh ("a", "x"), gathering over "x"
   mesh = SimpleNamespace(axis_names=("a", "x"), devices=devices)
   addresses = [(i + 1) << 33 | 0x1234 for i in range(8)]

@@ -18,7 +18,8 @@ import math
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
-from jax_autooverlap.backends.launch import ag_grid, b_cols, kernel_constants, rs_grid
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
+                                             rs_grid)
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -54,7 +55,7 @@ def _push_units(k: int, world: int, tm: int) -> int:
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   trace: bool = False):
+                   trace: bool = False, workspace_bytes: int | None = None):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine; trace: also return the
   consumers' per-tile timeline (kernels/gluon_trace.py; the loopback benchmark's --trace)."""
   from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
@@ -62,6 +63,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m, k = a.shape
   n = b_cols(a, b)
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
+  parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_ag_gemm_kernel, name="ao_ag_gemm_gluon",
@@ -72,7 +74,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       M_SHARD=m, K=k, N=n, KS=push_slice(k), NUM_COMM=num_comm, RETURN_GATHERED=return_gathered,
       STAGES=kernel.num_stages, TRACE=trace,
       PUSH_DESC_PER_UNIT=_fewer_than_peers(_push_units(k, world, tm), num_comm, world),
-      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   result = (out, gathered) if return_gathered else out
   return (result, timeline) if trace else result
 
@@ -105,7 +107,7 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   trace: bool = False):
+                   trace: bool = False, workspace_bytes: int | None = None):
   """backends/triton.py's launch_gemm_rs, on the Gluon engine (trace: as launch_ag_gemm;
   kernel.wg_partitions: a consumer partition per warpgroup; every rank of the group must
   launch the same, its arrival counters count halves)."""
@@ -115,6 +117,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m, k = a.shape
   n = b_cols(a, b)
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
+  parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   out, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
       zeroed_outputs=((0,) if poison else ()) + ((1,) if trace else ()),
@@ -125,5 +128,5 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       M=m, K=k, N=n, STAGES=kernel.num_stages, TRACE=trace,
       WG_PARTS=2 if wg_partitions else 1,
       PUSH_DESC_PER_TILE=_fewer_than_peers((world - 1) * tm * tn, num_ctas, world),
-      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, timeline) if trace else out

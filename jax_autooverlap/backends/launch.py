@@ -21,14 +21,31 @@ def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
              math.ceil(tile_rows / workspace.MAX_CHUNKS))
 
 
+def parity_bytes(op: str, world: int, a, n: int, out_dtype, workspace_bytes: int | None,
+                 what: str) -> int:
+  """The distance between a workspace's parity slots (runtime/workspace.py) for a launch of
+  `op` with a[m, K] and N = n on workspaces of workspace_bytes (None: exactly what this launch
+  needs, as the loopback fixture allocates).  Raises ValueError (naming the launcher `what`)
+  where they are too small for it."""
+  m, k = a.shape
+  need = workspace.kernel_bytes(op, world, m, k, n, a.dtype, out_dtype)
+  size = need if workspace_bytes is None else workspace_bytes
+  if size < need:
+    raise ValueError(f"{what}: workspaces of {size} bytes per GPU; a[{m}, {k}] with N = {n} "
+                     f"in a group of {world} needs {need}")
+  return workspace.parity_bytes(world, size)
+
+
 def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas: int,
-                     timeout_s: float, op_id: int) -> dict:
+                     timeout_s: float, op_id: int, parity: int) -> dict:
   """The compile-time constants every fused kernel takes (both ops, both engines): its tiles and
-  the workspace protocol (runtime/workspace.py's layout, the bounded waits' limit)."""
+  the workspace protocol (runtime/workspace.py's layout, `parity` = parity_bytes, the bounded
+  waits' limit)."""
   return dict(WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
               GROUP_M=kernel.group_m, TILES_PER_CHUNK=_tiles_per_chunk(tile_rows, kernel.chunks),
               NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
-              BUF_OFF=workspace.buffer_offset(world), MAX_CHUNKS=workspace.MAX_CHUNKS,
+              BUF_OFF=workspace.buffer_offset(world), PARITY_BYTES=parity,
+              MAX_CHUNKS=workspace.MAX_CHUNKS,
               FLAG_BLOCK=1 << (world * workspace.MAX_CHUNKS - 1).bit_length(),
               TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
 

@@ -18,8 +18,8 @@ from jax import lax
 from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, partials_type,
-                                             rs_grid, with_scale)
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
+                                             partials_type, rs_grid, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -55,24 +55,28 @@ def _table_row(table, mesh, axis_name):
 
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
-                   compute_capability: int | None = None, poison: bool = False):
+                   compute_capability: int | None = None, poison: bool = False,
+                   workspace_bytes: int | None = None):
   """The kernel call itself: a[m, K], b[K, N], table_row uint32[2*(world+1)], rank int32[1].
 
   fp8 operands: b is [N, K] (launch.b_cols) and table_row carries the epilogue scale
-  (launch.with_scale).  poison (tests): zero the outputs before the launch, so that elements
-  the kernel fails to write show up as exact zeros.
+  (launch.with_scale).  workspace_bytes: the size of the workspaces the table points to
+  (None: exactly what this launch needs; launch.parity_bytes).  poison (tests): zero the
+  outputs before the launch, so that elements the kernel fails to write show up as exact zeros.
   """
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_ag_gemm(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, return_gathered=return_gathered,
                                 timeout_s=timeout_s, num_sms=num_sms, op_id=op_id,
-                                compute_capability=compute_capability, poison=poison)
+                                compute_capability=compute_capability, poison=poison,
+                                workspace_bytes=workspace_bytes)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
 
   m, k = a.shape
   n = b_cols(a, b)
   tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
+  parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
@@ -84,21 +88,21 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
-      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, gathered) if return_gathered else out
 
 
 def _group(mesh, axis_name, workspace_bytes: int):
-  """Per-device set-up shared by the kernels: (table row, rank, world, SM count).
+  """Per-device set-up shared by the kernels: (table row, rank, world, the workspace).
 
   Everything here is the same in every process of the mesh: the workspace
-  addresses (symmetric) and the SM count (the smallest, agreed at set-up).
+  addresses (symmetric), its size and the SM count (the smallest, agreed at set-up).
   """
   world = mesh.shape[axis_name]
-  ws = workspace.REGISTRY.workspace(mesh, workspace_bytes)
+  ws = workspace.REGISTRY.workspace(mesh, axis_name, workspace_bytes)
   table = _address_table(mesh, axis_name, world, ws.addresses)
   rank = lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  return _table_row(table, mesh, axis_name), rank, world, ws.num_sms
+  return _table_row(table, mesh, axis_name), rank, world, ws
 
 
 def _as_varying_like(x, inputs, axis_name):
@@ -121,13 +125,13 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
   m, k = a.shape
   nbytes = workspace.kernel_bytes("ag_rows", mesh.shape[axis_name], m, k, b.shape[1], a.dtype,
                                   out_dtype)
-  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
+  row, rank, world, ws = _group(mesh, axis_name, nbytes)
   b, row = _fp8_operands(a, b, row, world, scale)
   op_id = register_op(f"ag_matmul over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, b.shape[1]]}, {np.dtype(a.dtype).name})")
   res = launch_ag_gemm(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
-                       return_gathered=return_gathered, timeout_s=timeout_s, num_sms=num_sms,
-                       op_id=op_id, poison=poison)
+                       return_gathered=return_gathered, timeout_s=timeout_s, num_sms=ws.num_sms,
+                       op_id=op_id, poison=poison, workspace_bytes=ws.nbytes)
   if return_gathered:
     return tuple(_as_varying_like(r, (a, b), axis_name) for r in res)
   return _as_varying_like(res, (a, b), axis_name)
@@ -135,19 +139,22 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
 
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
-                   compute_capability: int | None = None, poison: bool = False):
+                   compute_capability: int | None = None, poison: bool = False,
+                   workspace_bytes: int | None = None):
   """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group;
-  fp8 operands: as launch_ag_gemm)."""
+  fp8 operands, workspace_bytes: as launch_ag_gemm)."""
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_gemm_rs(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, timeout_s=timeout_s, num_sms=num_sms,
-                                op_id=op_id, compute_capability=compute_capability, poison=poison)
+                                op_id=op_id, compute_capability=compute_capability, poison=poison,
+                                workspace_bytes=workspace_bytes)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
 
   m, k = a.shape
   n = b_cols(a, b)
   m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
+  parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   out, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
@@ -157,7 +164,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, SPLIT_K=kernel.split_k,
-      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id))
+      **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return out
 
 
@@ -168,10 +175,11 @@ def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s
   m, k = a.shape
   n = b.shape[1]
   nbytes = workspace.kernel_bytes("rs_rows", mesh.shape[axis_name], m, k, n, a.dtype, out_dtype)
-  row, rank, world, num_sms = _group(mesh, axis_name, nbytes)
+  row, rank, world, ws = _group(mesh, axis_name, nbytes)
   b, row = _fp8_operands(a, b, row, world, scale)
   op_id = register_op(f"matmul_rs over axis {axis_name!r} (world {world}, a{[m, k]} @ "
                       f"b{[k, n]}, {np.dtype(a.dtype).name})")
   out = launch_gemm_rs(a, b, row, rank, world=world, kernel=kernel, out_dtype=out_dtype,
-                       timeout_s=timeout_s, num_sms=num_sms, op_id=op_id, poison=poison)
+                       timeout_s=timeout_s, num_sms=ws.num_sms, op_id=op_id, poison=poison,
+                       workspace_bytes=ws.nbytes)
   return _as_varying_like(out, (a, b), axis_name)

@@ -55,8 +55,8 @@ def ag_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
     COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
-    MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr,
-    TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
+    PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
+    RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
@@ -72,8 +72,8 @@ def ag_gemm_kernel(
   NCHUNK: tl.constexpr = (TM + TILES_PER_CHUNK - 1) // TILES_PER_CHUNK
   SHARD: tl.constexpr = M_SHARD * K
   my_flags = (ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) + parity * WORLD * MAX_CHUNKS
-  # 64-bit element offsets: world * shard elements can exceed 2**31.
-  my_bufs = (ws + BUF_OFF).to(tl.pointer_type(dtype)) + parity.to(tl.int64) * WORLD * SHARD
+  # 64-bit offsets: a parity slot can exceed 2**31 bytes.
+  my_bufs = (ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(dtype))
 
   if pid < NUM_COMM:
     # Push: unit u = (chunk, peer step, row tile) in chunk-major order.
@@ -83,8 +83,8 @@ def ag_gemm_kernel(
       if tm < TM:
         peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
         peer_ws = table_address(table_ptr, peer)
-        dst = (peer_ws + BUF_OFF).to(tl.pointer_type(dtype)) \
-            + (parity * WORLD + rank).to(tl.int64) * SHARD
+        dst = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
+            tl.pointer_type(dtype)) + rank.to(tl.int64) * SHARD
         _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
         peer_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
             + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK

@@ -63,7 +63,8 @@ def gemm_rs_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_CTAS: tl.constexpr, FLAGS_OFF: tl.constexpr,
-    BUF_OFF: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
+    BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
@@ -80,8 +81,8 @@ def gemm_rs_kernel(
   SLOT: tl.constexpr = M_OUT * N
   PER_OWNER: tl.constexpr = TM * TN
   my_flags = (ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) + parity * WORLD * MAX_CHUNKS
-  # 64-bit element offsets: world * slot elements can exceed 2**31.
-  my_slots = (ws + BUF_OFF).to(tl.pointer_type(out_dtype)) + parity.to(tl.int64) * WORLD * SLOT
+  # 64-bit offsets: a parity slot can exceed 2**31 bytes.
+  my_slots = (ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(out_dtype))
   tile_counter = header + 2 + parity
   # One descriptor per operand for the whole call.  A ragged last tile row of
   # an owner reads rows of the next owner (of a, or of the next partial slot):
@@ -132,8 +133,8 @@ def gemm_rs_kernel(
                 + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :])
         mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
         peer_ws = table_address(table_ptr, owner)
-        slot = (peer_ws + BUF_OFF).to(tl.pointer_type(out_dtype)) \
-            + (parity * WORLD + rank).to(tl.int64) * SLOT
+        slot = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
+            tl.pointer_type(out_dtype)) + rank.to(tl.int64) * SLOT
         tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
         pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
             + (parity * WORLD + rank) * MAX_CHUNKS + c

@@ -72,7 +72,7 @@ def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, k0, k
 
 @gluon.jit
 def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF: gl.constexpr,
-           M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
+           PARITY_BYTES: gl.constexpr, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
            TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
            RETURN_GATHERED: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr,
@@ -86,7 +86,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD, MAX_CHUNKS)
     err_addr = ws + ERROR_SLOT_OFFSET
     dtype: gl.constexpr = local_desc3.dtype
-    my_bufs = (ws + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
+    my_bufs = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(dtype))
     # Gather buffers of this call's parity as [src, row, col] of the peer of step i (rank + 1
     # + i, i < WORLD - 1; this rank's shard goes to index rank there), and that peer's arrival
     # counters from this rank: the address table is read once per CTA, and a descriptor
@@ -98,7 +98,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
     peer_flags = ()
     for i in gl.static_range(WORLD - 1):
       ws_p = table_address(table_ptr, (rank + 1 + i) % WORLD)
-      bufs = (ws_p + BUF_OFF).to(gl.pointer_type(dtype)) + parity.to(gl.int64) * WORLD * SHARD
+      bufs = (ws_p + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(dtype))
       if PUSH_DESC_PER_UNIT:
         peer_bufs = peer_bufs + (bufs,)
       else:
@@ -153,8 +153,8 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
               table_ptr, rank_ptr, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, FLAGS_OFF: gl.constexpr,
-              BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr,
-              TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
+              BUF_OFF: gl.constexpr, PARITY_BYTES: gl.constexpr, MAX_CHUNKS: gl.constexpr,
+              NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
   BLOCK_M: gl.constexpr = local_desc.block_type.shape[0]
   BLOCK_K: gl.constexpr = local_desc.block_type.shape[1]
   BLOCK_N: gl.constexpr = eng.b_block_n(b_desc.block_type.shape, b_desc.dtype)
@@ -174,8 +174,8 @@ def _producer(local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_read
                                                      MAX_CHUNKS)
   err_addr = ws + ERROR_SLOT_OFFSET
   tile_counter = header + 2 + parity
-  my_bufs = (ws + BUF_OFF).to(gl.pointer_type(local_desc.dtype)) \
-      + parity.to(gl.int64) * WORLD * M_SHARD * K
+  my_bufs = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(
+      gl.pointer_type(local_desc.dtype))
   # Peers' rows, as one [WORLD * M_SHARD, K] matrix of this call's parity slot.  A ragged last
   # tile row of a peer's shard reads rows of the next shard: they only feed output rows the
   # 3-D output descriptor clips (rows >= M_SHARD of that source).
@@ -232,6 +232,7 @@ def gluon_ag_gemm_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr, NUM_COMM: gl.constexpr,
     NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+    PARITY_BYTES: gl.constexpr,
     MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr, RETURN_GATHERED: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
     PUSH_DESC_PER_UNIT: gl.constexpr,
@@ -275,9 +276,9 @@ def gluon_ag_gemm_kernel(
       (eng.compute_and_store, consumers),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
-                   FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
+                   FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
       (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
-                M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
+                PARITY_BYTES, M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
                 NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID,
                 PUSH_DESC_PER_UNIT)),
   ], [eng.PRODUCER_WARPS, MOVER_WARPS], [eng.PRODUCER_REGS, MOVER_REGS])

@@ -64,6 +64,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
               table_ptr, rank_ptr, out_ptr, M_OUT: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
               WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+              PARITY_BYTES: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, WG_PARTS: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
@@ -78,8 +79,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   _, ws, header, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
                                                   MAX_CHUNKS)
   tile_counter = header + 2 + parity
-  my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_ptr.dtype.element_ty)) \
-      + parity.to(gl.int64) * WORLD * M_OUT * N
+  my_slots = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(
+      gl.pointer_type(out_ptr.dtype.element_ty))
   j = 1
   t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
@@ -162,6 +163,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
               TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               TILES_PER_CHUNK: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
+              PARITY_BYTES: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
               OP_ID: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
               WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr):
@@ -198,8 +200,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
     rank, ws, _, _, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
                                                   MAX_CHUNKS)
     err_addr = ws + ERROR_SLOT_OFFSET
-    my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_dtype)) \
-        + parity.to(gl.int64) * WORLD * SLOT
+    my_slots = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(out_dtype))
   else:
     my_slots, my_flags, err_addr, rank, parity = state
   if eng.b_kmajor(a_bufs.dtype):  # fp8: this GPU's scale of every partial
@@ -217,8 +218,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   peer_flags = ()
   for i in gl.static_range(WORLD - 1):
     ws_r = table_address(table_ptr, (rank + 1 + i) % WORLD)
-    slot = (ws_r + BUF_OFF).to(gl.pointer_type(out_dtype)) \
-        + (parity * WORLD + rank).to(gl.int64) * SLOT
+    slot = (ws_r + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(out_dtype)) \
+        + rank.to(gl.int64) * SLOT
     if PUSH_DESC_PER_TILE:
       peer_slots = peer_slots + (slot,)
     else:
@@ -303,7 +304,8 @@ def gluon_gemm_rs_kernel(
     M: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     TILES_PER_CHUNK: gl.constexpr, NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr,
-    BUF_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr, FLAG_BLOCK: gl.constexpr,
+    BUF_OFF: gl.constexpr, PARITY_BYTES: gl.constexpr, MAX_CHUNKS: gl.constexpr,
+    FLAG_BLOCK: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
     WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr,
 ):
@@ -320,9 +322,7 @@ def gluon_gemm_rs_kernel(
   M_OUT: gl.constexpr = M // WORLD
   TM: gl.constexpr = (M_OUT + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  SLOT: gl.constexpr = M_OUT * N
-  # 64-bit element offsets: world * slot elements can exceed 2**31.
-  my_slots = (ws + BUF_OFF).to(gl.pointer_type(out_dtype)) + parity.to(gl.int64) * WORLD * SLOT
+  my_slots = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(out_dtype))
   # Descriptors are made once per CTA; here those that do not depend on this call's epoch,
   # so the first tile (static: gluon_engine.first_tile) starts loading at once.
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
@@ -343,11 +343,11 @@ def gluon_gemm_rs_kernel(
         (_consumer, ((my_slots, my_flags, err_addr, rank, parity), o_desc, c_smem, part_bar,
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
-                     WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS,
-                     NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1, PUSH_DESC_PER_TILE)),
+                     WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES,
+                     MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
+                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free),),)),
     ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
   else:
@@ -363,16 +363,16 @@ def gluon_gemm_rs_kernel(
         (_consumer, (None, o_desc, c_smem0, part_bar.index(0), a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
-                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     TRACE, 0, 2, PUSH_DESC_PER_TILE)),
+                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
+                     TIMEOUT_NS, OP_ID, TRACE, 0, 2, PUSH_DESC_PER_TILE)),
         (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
-                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID,
-                     TRACE, 1, 2, PUSH_DESC_PER_TILE)),
+                     TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
+                     TIMEOUT_NS, OP_ID, TRACE, 1, 2, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
+                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free), (sig1_box, sig1_ready, sig1_free)),)),
     ], [eng.NUM_WARPS // 2, eng.PRODUCER_WARPS, SIGNALLER_WARPS],
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])

@@ -1,4 +1,4 @@
-"""Symmetric workspace: one device buffer per GPU of a mesh, reachable by its peers.
+"""Symmetric workspace: one device buffer per GPU of a mesh and axis, reachable by its peers.
 
 Each GPU's workspace holds (byte offsets):
   0                  epoch: calls completed on this GPU (int32)
@@ -8,15 +8,24 @@ Each GPU's workspace holds (byte offsets):
                      memory); per process, so it lives here and not in the
                      kernels' address table, which is the same in every process
   FLAGS_OFFSET       arrival counters int32[2 parity][world][MAX_CHUNKS]
-  buffer_offset(w)   gather buffers [2 parity][world][rows x cols] elements
+  buffer_offset(w)   parity 0's buffers [world][rows x cols] elements (a call's gather buffers
+                     or partial-sum slots)
+  + parity_bytes     parity 1's buffers: half of the buffer area, whatever the call's size
 
 Invariants the kernels rely on:
-- Every GPU of a group runs the same sequence of fused calls (SPMD), so the
-  epochs of all GPUs advance in lockstep and parity = epoch % 2 agrees.
+- A workspace serves the fused calls over ONE axis of a mesh: every GPU of a group runs the
+  same sequence of them (SPMD), so the epochs of all GPUs advance in lockstep and
+  parity = epoch % 2 agrees.  (Calls over another axis have other peers, whose progress
+  these calls do not order: they get a workspace of their own.)
 - A call writes a peer's parity slot p only after it finished its previous
   call, which needed that peer's data of the previous call, which the peer
   sent only after finishing the call before: so slot p of the peer is no
   longer read.  Counters of slot p are zeroed by the last CTA of each call.
+- Slot p is the same bytes for every call on a workspace, whatever its size (parity 1
+  starts half-way through the buffer area): a call on slot p never touches the other
+  slot, which the call before it may still be reading on a peer.  (With slots packed
+  by the call's own size, an fp8 gather's slot 1 overlapped a bf16 reduce-scatter's
+  slot 0 and corrupted it: measured on one H200, 2026-12-02.)
 - The workspaces of a device set are allocated together (runtime/symmetric.py:
   device i's at the same address in every process), zeroed, and only grow; a
   grown set is new memory (epochs start at 0 everywhere) and old sets stay
@@ -58,7 +67,14 @@ def buffer_offset(world: int) -> int:
 
 
 def required_bytes(world: int, shard_bytes: int) -> int:
-  return buffer_offset(world) + 2 * world * shard_bytes
+  """A workspace that holds the world's shards of shard_bytes in each parity slot."""
+  return buffer_offset(world) + 2 * (-(-world * shard_bytes // 16) * 16)
+
+
+def parity_bytes(world: int, nbytes: int) -> int:
+  """Byte distance from parity slot 0's buffers to slot 1's in a workspace of nbytes: half
+  the buffer area (16-byte aligned, as TMA wants), the same for every call on it."""
+  return (nbytes - buffer_offset(world)) // 2 // 16 * 16
 
 
 def kernel_bytes(op: str, world: int, rows: int, k: int, cols: int, dtype, out_dtype) -> int:
@@ -88,13 +104,15 @@ class Workspace:
 
 
 class _DeviceSet:
-  """The state of one ordered device set (a mesh's devices), identical in every process."""
+  """The state of one ordered device set (a mesh's devices) and axis, identical in every
+  process."""
 
-  def __init__(self, devices: tuple):
+  def __init__(self, devices: tuple, axis_name: str):
     self.devices = devices
     ids = ",".join(str(d.id) for d in devices)
-    self.key = hashlib.sha1(ids.encode()).hexdigest()[:16]
-    self.name = f"mesh devices [{ids}]" if len(ids) < 60 else f"mesh devices [{ids[:57]}...]"
+    self.key = hashlib.sha1(f"{ids}|{axis_name}".encode()).hexdigest()[:16]
+    self.name = (f"mesh devices [{ids}]" if len(ids) < 60 else f"mesh devices [{ids[:57]}...]") \
+        + f", axis {axis_name!r}"
     self.processes = topology.mesh_processes(devices)
     self.hosts: dict[int, str] | None = None
     self.num_sms = 0
@@ -109,7 +127,8 @@ class _DeviceSet:
 
 
 class WorkspaceRegistry:
-  """Workspaces keyed by the ordered tuple of devices of a mesh; grown on demand."""
+  """Workspaces keyed by the ordered tuple of devices of a mesh and the axis; grown on
+  demand."""
 
   def __init__(self, driver=None, allocator: symmetric.SymmetricAllocator | None = None):
     self.driver = driver or cuda  # runtime/cuda.py's functions (loads libcuda on first call)
@@ -132,7 +151,7 @@ class WorkspaceRegistry:
                          "(axis_name is needed for meshes of several axes)")
       axis_name = mesh.axis_names[0]
     with self._lock:
-      ds = self._set(mesh)
+      ds = self._set(mesh, axis_name)
       if ds.error:
         return Support(False, ds.error)
       topo = topology.classify(np.asarray(mesh.devices), mesh.axis_names, axis_name, ds.hosts)
@@ -144,10 +163,11 @@ class WorkspaceRegistry:
         return Support(False, str(e))
       return Support(True, topo.describe(), topo.processes_per_group)
 
-  def workspace(self, mesh, nbytes: int) -> Workspace:
-    """Workspaces of at least nbytes per device of the mesh (grown collectively if needed)."""
+  def workspace(self, mesh, axis_name: str, nbytes: int) -> Workspace:
+    """Workspaces of at least nbytes per device of the mesh for the calls over axis_name
+    (grown collectively if needed)."""
     with self._lock:
-      ds = self._set(mesh)
+      ds = self._set(mesh, axis_name)
       try:
         if ds.error:
           raise symmetric.SetupError(ds.error)
@@ -156,12 +176,12 @@ class WorkspaceRegistry:
         raise RuntimeError(f"fused kernel on {ds.name}: no symmetric workspace ({e})") from None
       return Workspace(ds.current.addresses(), ds.nbytes, ds.num_sms)
 
-  def _set(self, mesh) -> _DeviceSet:
+  def _set(self, mesh, axis_name: str) -> _DeviceSet:
     devices = tuple(np.asarray(mesh.devices).flat)
-    key = tuple(d.id for d in devices)
+    key = (tuple(d.id for d in devices), axis_name)
     ds = self._sets.get(key)
     if ds is None:
-      ds = self._sets[key] = _DeviceSet(devices)
+      ds = self._sets[key] = _DeviceSet(devices, axis_name)
       self._set_up(ds)
     return ds
 

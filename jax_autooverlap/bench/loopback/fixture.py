@@ -100,7 +100,9 @@ def piece_bytes(case: Case) -> int:
 def piece_offset(case: Case, parity: int, src: int) -> int:
   """Byte offset of source rank `src`'s piece in parity slot `parity` of a workspace."""
   from jax_autooverlap.runtime import workspace
-  return workspace.buffer_offset(case.world) + (parity * case.world + src) * piece_bytes(case)
+  return (workspace.buffer_offset(case.world)
+          + parity * workspace.parity_bytes(case.world, workspace_bytes(case))
+          + src * piece_bytes(case))
 
 
 def workspace_bytes(case: Case) -> int:
