@@ -46,8 +46,6 @@ CODES = {
     "unsupported_shape": "the kernel cannot run this shape, dtype or config",
     "never_measured": "no verdict or cost model for this GPU kind, group size and dtype",
     "first_call": "no verdict yet: the first call measures the kernel against the unfused program",
-    "fp8_unverified": "fp8 kernels run only where forced: their multi-process runs are not yet "
-                      "verified (docs/NOTES.md)",
     "measure_failed": "the first-call measurement failed or its processes did not agree: unfused",
     "tuner_unfused": "measured or predicted: the unfused program is faster",
     "workspace": "the symmetric workspace does not cover the axis' groups",

@@ -440,6 +440,35 @@ def test_first_call_times_real_programs_from_inside_a_jit_trace(gpu_planned, mon
   assert kernels >= set(select.default_candidates("ag", 2, BF16))  # both compiled and checked
 
 
+def test_first_call_measures_fp8_matmuls_within_the_formats_bound(gpu_planned, monkeypatch,
+                                                                  tmp_path):
+  """An fp8 matmul (e4m3 operands, the scales on its bf16 result) is measured on its first call
+  like a 16-bit one: fp8 candidates (K tiles of 128) against the unfused program, each
+  checked against the f32 product of its fp8 operands within fp8.gemm_tolerance."""
+  monkeypatch.setattr(autotune, "ROUNDS", 3)
+  monkeypatch.setattr(autotune, "ROUND_MS", 1.0)
+  e4 = jnp.float8_e4m3fn
+  mesh = cpu_mesh((2,), ("x",))
+
+  def body(x, w, s):
+    g = lax.all_gather(x, "x", axis=0, tiled=True)
+    return lax.dot_general(g, w, (((1,), (0,)), ((), ())),
+                           preferred_element_type=BF16) * s.astype(BF16)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P()),
+                    out_specs=P(None, "x"))
+  x = jax.device_put(jnp.ones((256, 256), e4), NamedSharding(mesh, P("x")))
+  w = jax.device_put(jnp.ones((256, 256), e4), NamedSharding(mesh, P(None, "x")))
+  out = ao.jit(f)(x, w, jnp.float32(0.5))
+  np.testing.assert_allclose(np.asarray(out, np.float32), 128.0)
+  (key, entry), = json.loads((tmp_path / "tuning-ag.json").read_text()).items()
+  assert key.endswith("float8_e4m3fn") and entry["source"] == "first_call", (key, entry)
+  assert not entry.get("failed") and entry["unfused_ms"] > 0  # every candidate passed its check
+  kernels = [k for _, k in gpu_planned if k is not None]
+  assert kernels and all(k.block_k == 128 for k in kernels)
+  # the bound is the formats' (a few 1e-3 at this K), far tighter than the 8-bit fallback
+  assert measure.tolerance(e4, BF16, 256) < 0.01 < measure.LOOSE_TOLERANCE
+
+
 def test_reference_blocks_are_this_devices_block_of_the_product():
   mesh = cpu_mesh((2, 2), ("dp", "x"))
   for op, sizes in (("ag_rows", (64, 128, 32)), ("rs_rows", (128, 64, 32))):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_autooverlap import fp8
 from jax_autooverlap.ops import registry
 from jax_autooverlap.runtime import cuda, rendezvous
 from jax_autooverlap.tuning import autotune, select
@@ -50,7 +51,12 @@ def measurements() -> int:
   return sum(_MEASURED.values())
 
 
-def tolerance(dtype, out_dtype) -> float:
+def tolerance(dtype, out_dtype, k: int | None = None, partials: int = 1) -> float:
+  """How far a candidate's result may be from the f32 reference: per dtype, or for fp8
+  operands with contraction k the formats' bound (jax_autooverlap/fp8.py gemm_tolerance; the
+  operands are exact fp8 values on both sides)."""
+  if fp8.is_fp8(dtype) and k is not None:
+    return fp8.gemm_tolerance(k, out_dtype, partials=partials)
   return max(TOLERANCE.get(np.dtype(d).name, LOOSE_TOLERANCE) for d in (dtype, out_dtype))
 
 
@@ -61,7 +67,9 @@ class _Case:
     rows, k, cols = sizes
     self.n = n = mesh.shape[axis_name]
     self.mesh, self.axis, self.dtype, self.op = mesh, axis_name, np.dtype(dtype), op
-    self.tol = tolerance(dtype, out_dtype)
+    # rs sums n partial products, each rounded to out_dtype: contraction n * k
+    self.tol = (tolerance(dtype, out_dtype, k) if op == "ag_rows"
+                else tolerance(dtype, out_dtype, n * k, partials=n))
     if op == "ag_rows":  # all_gather(a, rows) @ b: a [n*rows, k] by rows, b [k, n*cols] by cols
       self.shapes = ((n * rows, k), (k, n * cols))
       self.specs = (P(axis_name), P(None, axis_name))

@@ -346,11 +346,6 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
   if explicit is not None or config.impl == "triton":
     return Verdict(cfg, Reason("forced", "explicit config" if explicit else "impl='triton'"),
                    "explicit", key)
-  if fp8.is_fp8(dtype):  # until the fp8 step's second call agrees with its first (NOTES)
-    return Verdict(None, Reason(
-        "fp8_unverified", "fp8 kernels are not chosen by default yet: in two processes a second "
-        "call of an fp8 training step differed from its first (docs/NOTES.md); "
-        "OverlapConfig(impl='triton') or an explicit kernel runs them"), "", key)
   hit = store.verdicts().get(key)
   if hit is not None:
     return measured_verdict(hit, key)
