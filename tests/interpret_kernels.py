@@ -1,6 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
-    TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N [M K N]
+    TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
+        [M K N [SPARE]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -8,8 +9,9 @@ imported, so it needs a process of its own.)  The loopback fixture's host images
 the peers' workspaces back to back, the address table) in host memory, the set-up kernel that
 arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), twice (both
 parity slots); its output and its push into each peer's workspace are compared with the
-unfused result.  The interpreter runs the CTAs one after another, so this checks what the
-kernel computes and where it writes (tile order, split-K's parts and sums, the counters left
+unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
+workspace: parity slot 1 further away).  The interpreter runs the CTAs one after another, so
+this checks what the kernel computes and where it writes (tile order, split-K's parts and sums, the counters left
 zero), not the memory ordering between CTAs or GPUs.  The interpreter has no inline assembly:
 the system-scope acquire load is a plain load here, the proxy fence and the clock nothing.
 Prints one line: OK, or what differed.
@@ -84,7 +86,7 @@ def _buffer(nbytes, align=4096):
   return raw[start:start + nbytes]
 
 
-def run(op, world, split_k, block_m, block_n, m, k, n, num_sms=16):
+def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, num_sms=16):
   from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
   from jax_autooverlap.bench.loopback import fixture
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
@@ -93,7 +95,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, num_sms=16):
   from jax_autooverlap.runtime import workspace
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import KernelConfig
-  case = fixture.Case(op, m, k, n, dtype="float16", world=world)
+  case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare)
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
                      num_comm=2, split_k=split_k)
   rng = np.random.default_rng(world * 100 + split_k)
@@ -164,7 +166,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, num_sms=16):
 def main(argv):
   op, world, split_k, block_m, block_n = argv[0], *map(int, argv[1:5])
   m, k, n = map(int, argv[5:8]) if len(argv) > 5 else (256, 512, 384)
-  problems = run(op, world, split_k, block_m, block_n, m, k, n)
+  spare = int(argv[8]) if len(argv) > 8 else 0
+  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

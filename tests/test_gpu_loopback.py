@@ -44,6 +44,23 @@ def test_loopback_matches_unfused(engine, op_shape):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_loopback_on_a_grown_workspace_matches_unfused(engine, op):
+  """Workspaces grown for a larger call (runtime/workspace.py): parity slot 1 lies half-way
+  through the buffer area, not right after slot 0; output, pushes and the second call (slot 1)
+  as on an exactly sized workspace."""
+  from jax_autooverlap.runtime import cuda
+  case = lb.Case(op, 600 if op == "ag" else 1200, 1024, 1280, spare=3 * 4096 + 48)
+  loop = lb.Loopback(case, GPUS[0], seed=7)
+  cfg = lb.kernel_configs(case, GPUS[0].device_kind, [engine])[engine]
+  res = loop.check(lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id),
+                                    poison=True))
+  assert res["rel_err"] <= 2e-2, res
+  assert res["push_rel_err"] <= (0.0 if op == "ag" else 1e-2), res
+  assert res["bit_identical_repeat"], res
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("shape", [(600, 1024, 1280), (4096, 8192, 8192)], ids=lambda s: "x".join(map(str, s)))
 def test_loopback_ag_returns_the_gathered_shards(engine, shape):
   """With return_gathered the kernel also copies every shard, as it arrives, into `gathered`

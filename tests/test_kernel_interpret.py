@@ -1,7 +1,7 @@
 """The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
 as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
 counters zero after each of two calls; with and without split-K (kernels/split_k.py), full and
-ragged tiles.  What they compute, not how CTAs or GPUs order memory (that is for the GPU tests).
+ragged tiles, workspaces sized for the call and grown beyond it.  What they compute, not how CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
 import subprocess
@@ -25,10 +25,15 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("rs", 4, 2, 64, 64, 256, 512, 384),
     ("rs", 4, 3, 64, 128, 600, 2048, 320),    # ragged, split-K
     ("rs", 8, 4, 64, 64, 128, 4096, 512),     # 16 rows per owner
+    # workspaces grown for a larger call (runtime/workspace.py): parity slot 1 lies half-way
+    # through the buffer area, not right after slot 0
+    ("ag", 2, 1, 64, 128, 256, 512, 384, 3 * 4096 + 48),
+    ("rs", 4, 2, 64, 64, 256, 512, 384, 100_000),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c)
+                         + (f"-spare{c[8]}" if len(c) > 8 else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,

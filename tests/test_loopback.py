@@ -389,3 +389,17 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
   assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
       "tl-64x256-k3")
+
+
+def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():
+  """Case.spare: workspaces larger than the call needs (as after growth for a larger call);
+  slot 1 starts half-way through the buffer area (runtime/workspace.py parity_bytes)."""
+  case = fixture.Case("ag", 64, 128, 96, spare=4096 + 48)
+  nbytes, piece = fixture.workspace_bytes(case), fixture.piece_bytes(case)
+  half = workspace.parity_bytes(2, nbytes)
+  assert nbytes == workspace.required_bytes(2, piece) + 4096 + 48
+  assert half % 16 == 0 and half > 2 * piece
+  assert fixture.piece_offset(case, 1, 0) == workspace.buffer_offset(2) + half
+  assert fixture.piece_offset(case, 1, 1) + piece <= nbytes
+  with pytest.raises(ValueError, match="spare=-1"):
+    fixture.Case("ag", 64, 128, 96, spare=-1)

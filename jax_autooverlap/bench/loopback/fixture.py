@@ -28,12 +28,17 @@ class Case:
   dtype: str = "bfloat16"
   world: int = WORLD
   b_dtype: str = ""  # b's, where it differs (fp8: e.g. an e5m2 gradient times e4m3 weights)
+  # Bytes the workspaces have beyond what this call needs, as after growth for a larger call:
+  # parity slot 1 then starts later than right after slot 0 (runtime/workspace.py).
+  spare: int = 0
 
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
       raise ValueError(f"op={self.op!r} must be 'ag' or 'rs'")
     if not isinstance(self.world, int) or self.world < 2:
       raise ValueError(f"world={self.world!r} must be an int >= 2")
+    if not isinstance(self.spare, int) or self.spare < 0:
+      raise ValueError(f"spare={self.spare!r} must be an int >= 0")
     split = {"ag": ("m", "n"), "rs": ("m", "k")}[self.op]
     for name in split:
       if getattr(self, name) % self.world:
@@ -107,7 +112,7 @@ def piece_offset(case: Case, parity: int, src: int) -> int:
 
 def workspace_bytes(case: Case) -> int:
   from jax_autooverlap.runtime import workspace
-  return workspace.required_bytes(case.world, piece_bytes(case))
+  return workspace.required_bytes(case.world, piece_bytes(case)) + case.spare
 
 
 def peer_stride(case: Case) -> int:

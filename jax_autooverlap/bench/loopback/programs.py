@@ -4,7 +4,7 @@ same local work, and XLA's GEMM (cuBLAS; for fp8 operands its fp8 GEMM, cuBLASLt
 K-major as the fp8 kernels read it)."""
 from __future__ import annotations
 
-from jax_autooverlap.bench.loopback.fixture import WORLD, Case, np_dtype
+from jax_autooverlap.bench.loopback.fixture import WORLD, Case, np_dtype, workspace_bytes
 
 
 def _arm(table, world: int = WORLD, compute_capability=None):
@@ -45,7 +45,8 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   launch_gemm_rs = functools.partial(backend.launch_gemm_rs, **extra)
   dtype = np_dtype(case.out_dtype)
   common = dict(world=case.world, kernel=kernel, out_dtype=dtype, timeout_s=timeout_s,
-                num_sms=num_sms, compute_capability=compute_capability, poison=poison)
+                num_sms=num_sms, compute_capability=compute_capability, poison=poison,
+                workspace_bytes=workspace_bytes(case))
 
   def run(a, b, table, rank):
     # data dependence: the set-up kernel runs first
