@@ -3,7 +3,7 @@
     python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
         [--budget-s S] [--timeout-s S]
         [--scenario kernels|missing_peer|nested_step|first_call|fp8_step]
-        [--engine tl|gluon [--wg-partitions]]
+        [--engine tl|gluon [--wg-partitions]] [--fp8]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
 the other: --world 8,4,2, or all at once with --parallel; CUDA_VISIBLE_DEVICES=0 in each,
@@ -30,7 +30,8 @@ of this process's shard.  The processes' kernels rendezvous through
 time-sliced contexts: timings mean nothing here.  --engine picks the kernels'
 engine (KernelConfig.engine; default: the tuner's choice); --wg-partitions with the
 gluon engine runs GEMM+RS with a consumer partition per warpgroup
-(KernelConfig.wg_partitions).
+(KernelConfig.wg_partitions).  --fp8: the first_call scenario measures the fp8_step's
+program (fp8 matmuls' first call) instead of the bf16 step.
 
 Scenarios:
   kernels       explain says "triton kernel ..., N processes"; AG+GEMM and GEMM+RS
@@ -450,12 +451,8 @@ def _fp8_step(mesh, cfg, check, kv, mode):
   """The fp8_step scenario (see the module docstring); mode "kernel" (GPUs) or "reference"
   (CPU processes: the reference ring); kv None: one process."""
   import jax
-  import jax.numpy as jnp
   import jax_autooverlap as ao
-  from jax_autooverlap import fp8
   step, args, host, ref = _fp8_step_case(mesh, cfg)
-  D, F, S, L = _step_dims(mesh.shape["x"])
-  n = mesh.shape["x"]
   report = ao.explain(step, *args)
   runs = "triton kernel" if mode == "kernel" else "reference ring"
   rows = [(m.phase, m.kind, m.status, m.dtype) for m in report]
@@ -485,11 +482,19 @@ def _fp8_step(mesh, cfg, check, kv, mode):
   # and input gradient, e5m2 x e4m3 (the cotangent's format) for the weight gradients and the
   # updates (whose steps are larger than the weights).  On 2 CPU processes at the default
   # sizes: out 3e-2, dx 7e-2, dw 8e-2 (fp8 roundings flipped by bf16's), against 0.14 / 0.20.
-  gemm = fp8.gemm_tolerance(2 * F, jnp.bfloat16, partials=n)
-  tol_out = gemm + fp8.quantization_error(jnp.float8_e4m3fn, jnp.float8_e4m3fn)
-  tol_grad = gemm + fp8.quantization_error(jnp.float8_e5m2, jnp.float8_e4m3fn)
-  _check_step_results(check, got, host, ref, "fp8", tol=(tol_out, tol_grad))
+  _check_step_results(check, got, host, ref, "fp8", tol=_fp8_tolerances(mesh))
   _check_repeat(check, "fp8", step, args, got)
+
+
+def _fp8_tolerances(mesh) -> tuple[float, float]:
+  """(output and input gradient, weight gradients and updates) of the fp8 step against its
+  reference (see _fp8_step)."""
+  import jax.numpy as jnp
+  from jax_autooverlap import fp8
+  F, n = _step_dims(mesh.shape["x"])[1], mesh.shape["x"]
+  gemm = fp8.gemm_tolerance(2 * F, jnp.bfloat16, partials=n)
+  return (gemm + fp8.quantization_error(jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+          gemm + fp8.quantization_error(jnp.float8_e5m2, jnp.float8_e4m3fn))
 
 
 def _check_step_results(check, got, host, ref, name="nested", tol=(TOL, TOL)) -> float:
@@ -576,14 +581,16 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
   """The first_call scenario (module docstring) in this process, with the DEFAULT config:
   `again` is the second run (same cache, new processes); on_gpu: the unfused program cannot
   run here, so every row must end on the kernel (on CPU processes the kernels' stand-ins and
-  the unfused program both run: either may win).  Returns what the table shows."""
+  the unfused program both run: either may win).  AO_TEST_FP8=1 (--fp8): the fp8_step's
+  program and tolerances instead of the bf16 step's.  Returns what the table shows."""
   import jax
   import jax_autooverlap as ao
   from jax_autooverlap.ops import measure
   from jax_autooverlap.tuning import store
   t0 = time.perf_counter()
   n = mesh.shape["x"]
-  step, args, host, ref = _step_case(mesh, ao.OverlapConfig())
+  in_fp8 = os.environ.get("AO_TEST_FP8") == "1"
+  step, args, host, ref = (_fp8_step_case if in_fp8 else _step_case)(mesh, ao.OverlapConfig())
   before = ao.explain(step, *args)
   rows = lambda r: "; ".join(f"{m.phase} {m.kind} {m.status} {m.impl or m.reason}" for m in r)
   if again:
@@ -606,7 +613,8 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
     check("first_call: every row decided after the call", after.matches and all(
         m.impl.startswith(("triton kernel (autotuned", "unfused program on gpu (autotuned"))
         for m in after), rows(after))
-  err = _check_step_results(check, got, host, ref)
+  err = (_check_step_results(check, got, host, ref, "fp8", tol=_fp8_tolerances(mesh)) if in_fp8
+         else _check_step_results(check, got, host, ref))
   mine = {k: v for k, v in store.verdicts().items()
           if v.get("source") == "first_call" and f"|w{n}|" in k}
   kv.key_value_set(f"ao-test/verdicts/{'again' if again else 'first'}/{jax.process_index()}",
@@ -623,7 +631,7 @@ def _first_call_step(mesh, check, kv, again: bool, on_gpu: bool):
         f"{sum(k in on_disk for k in mine)} of {len(mine)} in {store.user_cache_dir()}")
   fused = sum(v["impl"] == "triton" for v in mine.values())
   return {"process": jax.process_index(), "world": n, "run": 2 if again else 1,
-          "dims": ",".join(map(str, _step_dims(n))),
+          "dims": ",".join(map(str, _step_dims(n))) + (" fp8" if in_fp8 else ""),
           "verdicts": len(mine), "fused": fused, "measured": measured, "max_rel_err": err,
           "first_step_s": round(t_step, 1), "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -712,6 +720,8 @@ def main(argv) -> int:
   scenarios = ([argv[argv.index("--scenario") + 1]] if "--scenario" in argv else list(SCENARIOS))
   worlds = [int(w) for w in argv[argv.index("--world") + 1].split(",")] if "--world" in argv \
       else [2]
+  if "--fp8" in argv:  # first_call: the fp8 step (the workers inherit the environment)
+    os.environ["AO_TEST_FP8"] = "1"
   if "--engine" in argv:  # the workers read it (they inherit the environment)
     os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
   if "--wg-partitions" in argv:  # GEMM+RS with a consumer partition per warpgroup (gluon)

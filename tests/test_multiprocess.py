@@ -374,6 +374,24 @@ def test_gpu_harness_first_call_scenario_on_cpu_processes(tmp_path):
   assert [p["info"]["measured"] for p in again] == [0, 0]
 
 
+def test_first_call_of_the_fp8_step_on_cpu_processes(tmp_path):
+  """The same with the harness's fp8 step (AO_TEST_FP8=1, gpu_two_process.py --fp8): its fp8
+  matmuls are measured on the first call (the fp8 candidates' stand-ins against the unfused
+  program, each within fp8.gemm_tolerance), every process agrees, the step is within the fp8
+  tolerance of the unsharded f32 step, and new processes measure nothing."""
+  env = {"JAX_AUTOOVERLAP_CACHE_DIR": str(tmp_path), "AO_TEST_FP8": "1"}
+  first = _run_processes("first_call_step", timeout=300, env_extra=env)
+  again = _run_processes("first_call_step_again", timeout=300, env_extra=env)
+  for run in (first, again):
+    for p in run:
+      assert all(ok for ok, _ in p["checks"].values()), p["checks"]
+      assert len(p["checks"]) == 7 and p["info"]["dims"].endswith(" fp8")
+      assert p["verdicts"] == first[0]["verdicts"] and p["verdicts"]
+      assert all(k.endswith(("float8_e4m3fn", "float8_e5m2")) for k in p["verdicts"]), p["verdicts"]
+  assert [p["info"]["measured"] for p in first] == [len(first[0]["verdicts"])] * 2
+  assert [p["info"]["measured"] for p in again] == [0, 0]
+
+
 def test_rendezvous_agreement_and_timeout_across_processes():
   p0, p1 = _run_processes("rendezvous")
   want = {"0": {"me": 0, "sq": 0}, "1": {"me": 1, "sq": 1}}
