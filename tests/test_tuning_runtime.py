@@ -94,6 +94,21 @@ def test_a_calls_parity_slot_never_overlaps_the_other_slot_of_any_call_on_the_wo
       assert buf + half + used <= nbytes  # slot 1 inside the workspace
 
 
+def test_launch_parity_bytes_from_the_workspace_size_and_refused_when_too_small():
+  """The launchers' PARITY_BYTES: from the size of the workspaces the table points to (None:
+  exactly what the launch needs); workspaces too small for the launch are an error naming it."""
+  from jax_autooverlap.backends.launch import parity_bytes
+  a = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  need = workspace.kernel_bytes("ag_rows", 4, 256, 512, 384, jnp.bfloat16, jnp.bfloat16)
+  assert parity_bytes("ag_rows", 4, a, 384, jnp.bfloat16, None, "f") == 4 * 256 * 512 * 2
+  assert parity_bytes("ag_rows", 4, a, 384, jnp.bfloat16, 1 << 24, "f") == \
+      workspace.parity_bytes(4, 1 << 24)
+  with pytest.raises(ValueError, match=f"launch_ag_gemm: workspaces of {need - 1} bytes per "
+                                       rf"GPU; a\[256, 512\] with N = 384 in a group of 4 "
+                                       f"needs {need}"):
+    parity_bytes("ag_rows", 4, a, 384, jnp.bfloat16, need - 1, "launch_ag_gemm")
+
+
 def test_workspace_layout_and_address_table():
   from types import SimpleNamespace
   from jax_autooverlap.backends.triton import _address_table
