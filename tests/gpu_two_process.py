@@ -553,9 +553,10 @@ def _nested_step(mesh, cfg, check, kv, mode):
 
 def _check_repeat(check, name, step, args, got):
   """Calls 2 and 3 of the same step on the same inputs give call 1's results bit for bit.
-  The kernels alternate their buffers' parity slots from call to call and a step makes an
-  odd number of fused calls: call 2 runs every op on the other slot, call 3 on call 1's
-  again.  The detail names each leaf that differs: how many elements, the first one."""
+  The kernels alternate their buffers' parity slots from call to call: with an odd number of
+  fused calls per step (one layer) call 2 runs every op on the other slot, call 3 on call 1's;
+  and calls 2 and 3 follow other calls than call 1 did.  The detail names each leaf that
+  differs: how many elements, the first one."""
   import jax
   import numpy as np
   local = lambda a: np.asarray(a.addressable_shards[0].data, np.float32)

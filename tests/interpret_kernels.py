@@ -11,9 +11,10 @@ arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), 
 parity slots); its output and its push into each peer's workspace are compared with the
 unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
 workspace: parity slot 1 further away).  The interpreter runs the CTAs one after another, so
-this checks what the kernel computes and where it writes (tile order, split-K's parts and sums, the counters left
-zero), not the memory ordering between CTAs or GPUs.  The interpreter has no inline assembly:
-the system-scope acquire load is a plain load here, the proxy fence and the clock nothing.
+this checks what the kernel computes and where it writes (tile order, split-K's parts and
+sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
+has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
+and the clock nothing.
 Prints one line: OK, or what differed.
 """
 import os

@@ -1,7 +1,8 @@
 """The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
 as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
 counters zero after each of two calls; with and without split-K (kernels/split_k.py), full and
-ragged tiles, workspaces sized for the call and grown beyond it.  What they compute, not how CTAs or GPUs order memory (that is for the GPU tests).
+ragged tiles, workspaces sized for the call and grown beyond it.  What they compute, not how
+CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
 import subprocess

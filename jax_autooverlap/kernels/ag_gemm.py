@@ -56,7 +56,8 @@ def ag_gemm_kernel(
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
     COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
     PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
-    RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
+    RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
