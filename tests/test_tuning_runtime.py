@@ -1,5 +1,7 @@
 """Tuner verdicts, kernel-config validation and the runtime's host-side layout (no GPU needed)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,7 +144,6 @@ _SYNTHETIC = {  # verdicts as the benchmark writes them
 
 def test_gpu_plans_kernels_where_measured_and_keeps_unfused_elsewhere(monkeypatch):
   from jax_autooverlap.ops.planning import plan
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.setattr(store, "verdicts", lambda: _SYNTHETIC)
   mesh, cfg, bf16 = fake_gpu_mesh(), ao.OverlapConfig(), jnp.bfloat16
   impl, gpu, why = plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)
@@ -211,7 +212,8 @@ def test_kernels_planned_whatever_the_command_buffer_flags(monkeypatch):
   mesh, cfg, bf16 = fake_gpu_mesh(), ao.OverlapConfig(impl="triton"), jnp.bfloat16
   for flags in ("", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL",
                 "--xla_gpu_enable_command_buffer=+WHILE", "--xla_gpu_enable_command_buffer="):
-    monkeypatch.setenv("XLA_FLAGS", flags)
+    # conftest's flags kept: a CPU backend first made here still gets its 8 devices
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
     assert plan("ag_rows", cfg, 2, (1, 2048, 8192, 4096), bf16, bf16, mesh)[0] == "triton", flags
 
 
