@@ -119,6 +119,7 @@ def ag_gemm_kernel(
   else:
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
+    scale = 1.0  # unused
   local_desc = tl.make_tensor_descriptor(a_ptr, shape=[M_SHARD, K], strides=[K, 1],
                                          block_shape=[BLOCK_M, BLOCK_K])
   bufs_desc = tl.make_tensor_descriptor(my_bufs, shape=[WORLD * M_SHARD, K], strides=[K, 1],
@@ -145,18 +146,9 @@ def ag_gemm_kernel(
                     err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
       a_desc = bufs_desc
       row0 += src * M_SHARD
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SPLIT_K == 1:
-      k_lo, k_hi = 0, K
-    else:
-      k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
-    acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
-    if FP8:
-      acc = acc * scale  # split: each part scaled, so the sum of the parts is the scaled sum
-    last = True
-    if SPLIT_K > 1:  # split counters: this rank's own row of the arrival counters (split_k.py)
-      acc, last = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
-                                  my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
+    acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, u % SPLIT_K, scale,
+                                  partials_ptr, my_flags + rank * MAX_CHUNKS, K, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     if last:  # else another part of this tile stores it
       o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
                    acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))

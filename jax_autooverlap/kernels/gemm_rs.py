@@ -96,6 +96,7 @@ def gemm_rs_kernel(
   else:
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
+    scale = 1.0  # unused
   part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
                                         block_shape=[BLOCK_M, BLOCK_N])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_OUT, N], strides=[N, 1],
@@ -109,18 +110,9 @@ def gemm_rs_kernel(
     j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     owner = (rank + 1 + j) % WORLD
     row0 = owner * M_OUT + tm * BLOCK_M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SPLIT_K == 1:
-      k_lo, k_hi = 0, K
-    else:
-      k_lo, k_hi = split_k.k_range(u % SPLIT_K, K, BLOCK_K, SPLIT_K)
-    acc = split_k.dot_k(acc, a_desc, b_desc, row0, tn * BLOCK_N, k_lo, k_hi, BLOCK_K, FP8)
-    if FP8:
-      acc = acc * scale  # split: each part scaled, so the sum of the parts is the scaled sum
-    finish = True
-    if SPLIT_K > 1:  # split counters: this rank's own row of the arrival counters (split_k.py)
-      acc, finish = split_k.combine(acc, t, u % SPLIT_K, partials_ptr,
-                                    my_flags + rank * MAX_CHUNKS, BLOCK_M, BLOCK_N, SPLIT_K)
+    acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, u % SPLIT_K, scale,
+                                    partials_ptr, my_flags + rank * MAX_CHUNKS, K, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     if pending != 0:
       signal_add(pending_flag, 1)
       pending = tl.full([], 0, tl.int32)

@@ -63,3 +63,25 @@ def combine(acc, tile, part, partials_ptr, counters, BLOCK_M: tl.constexpr, BLOC
     for r in tl.static_range(SPLIT_K):  # part order: deterministic sums
       total += tl.load(base + r * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
   return total, last
+
+
+@triton.jit
+def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters,
+              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr):
+  """Part `part` of output tile t (all of its k without split-K) at [row0, col0], fp8: times
+  `scale` (each part scaled, so the sum of the parts is the scaled sum).  (the tile's sum,
+  True) where this part completes the tile, (acc, False) where another part will (combine;
+  counters: the split counters, this rank's own row of the arrival counters)."""
+  acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+  if SPLIT_K == 1:
+    k_lo, k_hi = 0, K
+  else:
+    k_lo, k_hi = k_range(part, K, BLOCK_K, SPLIT_K)
+  acc = dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K, FP8)
+  if FP8:
+    acc = acc * scale
+  last = True
+  if SPLIT_K > 1:
+    acc, last = combine(acc, t, part, partials_ptr, counters, BLOCK_M, BLOCK_N, SPLIT_K)
+  return acc, last
