@@ -1,5 +1,6 @@
-"""The `tl` fused kernels' main loop (dot_k) and their split-K (KernelConfig.split_k = S > 1): where a shape has fewer
-output tiles than SMs, each tile's k-blocks are cut into S parts, each part a work unit of its
+"""The `tl` fused kernels' work on one output tile (tile_part: the main loop dot_k, the fp8
+scale) and their split-K (KernelConfig.split_k = S > 1): where a shape has fewer output tiles
+than SMs, each tile's k-blocks are cut into S parts, each part a work unit of its
 own (units t*S .. t*S + S - 1 of tile t, handed out by the kernel's tile counter), so S times
 as many CTAs work on the GEMM.
 
