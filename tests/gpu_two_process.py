@@ -2,7 +2,7 @@
 
     python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
         [--budget-s S] [--timeout-s S]
-        [--scenario kernels|missing_peer|nested_step|first_call|fp8_step]
+        [--scenario kernels|missing_peer|nested_step|first_call|fp8_step|fp8_qdq]
         [--engine tl|gluon [--wg-partitions]] [--fp8]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
@@ -68,8 +68,15 @@ Scenarios:
                 against the same step unsharded in f32 on the CPU from the same fp8 values,
                 within the fp8 tolerance (jax_autooverlap/fp8.py: gemm_tolerance plus the
                 formats' quantization_error); calls 2 and 3 bit-identical to call 1.
-                tests/test_multiprocess.py runs nested_step, first_call and fp8_step on
-                2 CPU processes (the ops' pure-JAX reference).
+  fp8_qdq       the same layers forward only (a prefill), every matmul's operands in the
+                quantize-dequantize form (`v / s -> clip -> e4m3 -> bf16 * s`, scales as
+                inputs), under the user's jax.jit: explain's 2 rows fused in e4m3 x e4m3 (the
+                gathered activations quantized before the gather), no plain collective, the
+                output against the same forward unsharded in f32 on the CPU within the fp8
+                tolerance, calls 2 and 3 bit-identical.  (The form's backward has 16-bit
+                matmuls beside unfused collectives: NCCL would refuse them here.)
+                tests/test_multiprocess.py runs nested_step, first_call, fp8_step and fp8_qdq
+                on 2 CPU processes (the ops' pure-JAX reference).
 """
 from __future__ import annotations
 
@@ -88,10 +95,11 @@ TOL = 2e-2  # bf16 outputs
 # Checks each process must report (a crash must not pass as "nothing failed"), by process
 # (0, others).
 EXPECTED_CHECKS = {"kernels": (12, 12), "missing_peer": (2, 0), "nested_step": (6, 6),
-                   "first_call": (7, 7), "first_call_again": (7, 7), "fp8_step": (6, 6)}
+                   "first_call": (7, 7), "first_call_again": (7, 7), "fp8_step": (6, 6),
+                   "fp8_qdq": (5, 5)}
 TIMEOUT_S = {"kernels": 400, "missing_peer": 180, "nested_step": 300, "first_call": 420,
-             "first_call_again": 240, "fp8_step": 300}
-SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call", "fp8_step")
+             "first_call_again": 240, "fp8_step": 300, "fp8_qdq": 240}
+SCENARIOS = ("kernels", "missing_peer", "nested_step", "first_call", "fp8_step", "fp8_qdq")
 
 
 # --- worker ------------------------------------------------------------------
@@ -167,6 +175,11 @@ def _worker(scenario: str, me: int, n: int, port: str):
 
   if scenario == "fp8_step":
     _fp8_step(mesh, cfg, check, kv, "kernel")
+    kv.wait_at_barrier("ao-test/done", 300_000)
+    return
+
+  if scenario == "fp8_qdq":
+    _fp8_qdq(mesh, cfg, check, kv, "kernel")
     kv.wait_at_barrier("ao-test/done", 300_000)
     return
 
@@ -362,14 +375,7 @@ def _fp8_step_case(mesh, cfg):
   import jax_autooverlap as ao
   E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
   D, F, S, L = _step_dims(mesh.shape["x"])
-  rng = np.random.default_rng(98)
-  pow2 = lambda v: float(2.0 ** np.round(np.log2(v)))
-
-  def on_grid(shape, std):  # N(0, std) rounded to e4m3 values times a power-of-2 scale
-    s = pow2(std / 16)  # |q| about 16 * N(0, 1): well inside e4m3's range (448)
-    q = np.asarray(jnp.asarray(rng.standard_normal(shape) * std / s, jnp.float32).astype(E4))
-    return q.astype(np.float32) * s, s
-
+  on_grid = _on_e4m3_grid(np.random.default_rng(98))
   (W13, s13), (W2, s2) = on_grid((L, D, 2, F), D ** -0.5), on_grid((L, F, D), F ** -0.5)
   (X, sx), (CT, _) = on_grid((S, D), 1.0), on_grid((S, D), 1.0)
   host = {"w13": W13, "w2": W2}
@@ -445,6 +451,113 @@ def _fp8_step_case(mesh, cfg):
         {k: jnp.asarray(v) for k, v in host.items()},
         {k: jnp.asarray(v) for k, v in scale_host.items()}, jnp.asarray(X), jnp.asarray(CT))
   return step, args, host, jax.tree.map(np.asarray, ref)
+
+
+def _on_e4m3_grid(rng):
+  """on_grid(shape, std) -> (host values, scale): N(0, std) rounded to e4m3 values times a
+  power-of-2 per-tensor scale, so that quantizing them with that scale is exact."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  def on_grid(shape, std):
+    s = float(2.0 ** np.round(np.log2(std / 16)))  # |q| about 16 * N(0, 1): e4m3 ends at 448
+    q = np.asarray(jnp.asarray(rng.standard_normal(shape) * std / s,
+                               jnp.float32).astype(jnp.float8_e4m3fn))
+    return q.astype(np.float32) * s, s
+  return on_grid
+
+
+def _fp8_qdq_case(mesh, cfg):
+  """The fp8_qdq program: (forward, (params, scales, x), the reference output: the same
+  forward unsharded in f32 on this process's CPU, from the same fp8 values).
+
+  The SwiGLU layers of _step_case, forward only (a prefill), every matmul's operands in the
+  quantize-dequantize form of Flax's fp8 ops (`qdq`: `v / s -> clip -> astype(e4m3) ->
+  astype(bf16) * s`, the scales inputs: delayed scaling), which XLA's GEMM rewriter turns into
+  one fp8 GEMM: the gathered activations are quantized after the all_gather (the rewrite
+  quantizes the shard and gathers fp8), the reduce-scatter's matmul reads h quantized.  Its
+  backward would hold 16-bit matmuls next to unfused collectives (the form fuses the forward
+  only), which NCCL refuses between processes sharing a GPU: forward only."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jax_autooverlap as ao
+  E4 = jnp.float8_e4m3fn
+  D, F, S, L = _step_dims(mesh.shape["x"])
+  on_grid = _on_e4m3_grid(np.random.default_rng(99))
+  (W13, s13), (W2, s2), (X, sx) = (on_grid((L, D, 2, F), D ** -0.5),
+                                   on_grid((L, F, D), F ** -0.5), on_grid((S, D), 1.0))
+  host = {"w13": W13, "w2": W2}
+  scale_host = {k: np.full((L,), v, np.float32) for k, v in (
+      ("x", sx), ("w13", s13), ("h", 1 / 16), ("w2", s2))}
+  specs = {"w13": P(None, None, None, "x"), "w2": P(None, "x", None)}
+
+  def qdq(v, s):
+    top = jnp.finfo(E4).max.astype(v.dtype)
+    q = jnp.clip(v / s.astype(v.dtype), -top, top).astype(E4)
+    return q.astype(v.dtype) * s.astype(v.dtype)
+
+  def layer(x, p, s, gather, scatter):
+    g = gather(x)
+    w13 = p["w13"].reshape(p["w13"].shape[0], -1)
+    y = (qdq(g, s["x"]) @ qdq(w13, s["w13"])).reshape(g.shape[0], 2, -1)
+    h = jax.nn.silu(y[:, 0]) * y[:, 1]
+    return x + scatter(qdq(h, s["h"]) @ qdq(p["w2"], s["w2"]))
+
+  def stack(params, scales, x, gather, scatter):
+    return lax.scan(lambda x, ps: (layer(x, *ps, gather, scatter), None), x,
+                    (params, scales))[0]
+
+  body = lambda params, scales, x: stack(
+      params, scales, x, lambda v: lax.all_gather(v, "x", axis=0, tiled=True),
+      lambda v: lax.psum_scatter(v, "x", scatter_dimension=0, tiled=True))
+  model = ao.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, {k: P() for k in scale_host},
+                                                          P("x")), out_specs=P("x")),
+                 overlap_config=cfg)
+  forward = jax.jit(lambda params, scales, x: model(params, scales, x))
+
+  def place(a, spec, dtype=jnp.bfloat16):  # every process gives the blocks of its devices
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                        lambda i: jnp.asarray(a[i], dtype))
+
+  args = ({k: place(v, specs[k]) for k, v in host.items()},
+          {k: place(v, P(), jnp.float32) for k, v in scale_host.items()}, place(X, P("x")))
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):  # unsharded, f32, this CPU
+    ref = jax.jit(lambda p, s, x: stack(p, s, x, lambda v: v, lambda v: v))(
+        {k: jnp.asarray(v) for k, v in host.items()},
+        {k: jnp.asarray(v) for k, v in scale_host.items()}, jnp.asarray(X))
+  return forward, args, np.asarray(ref)
+
+
+def _fp8_qdq(mesh, cfg, check, kv, mode):
+  """The fp8_qdq scenario (see the module docstring); mode "kernel" (GPUs) or "reference"
+  (CPU processes: the reference ring); kv None: one process."""
+  import jax
+  import numpy as np
+  import jax_autooverlap as ao
+  forward, args, ref = _fp8_qdq_case(mesh, cfg)
+  report = ao.explain(forward, *args)
+  runs = "triton kernel" if mode == "kernel" else "reference ring"
+  rows = [(m.phase, m.kind, m.status, m.dtype) for m in report]
+  check("fp8_qdq: every row fused", report.matches and all(
+      m.status == "fused" and m.impl and m.impl.startswith(runs) for m in report),
+      "; ".join(f"{m.phase} {m.kind} {m.status} {m.dtype} {m.impl or m.reason}" for m in report))
+  want = [("fwd", k, "fused", "e4m3xe4m3->bfloat16") for k in ("ag_matmul", "matmul_rs")]
+  check("fp8_qdq: 2 rows, AG+GEMM and GEMM+RS in e4m3 x e4m3", sorted(rows) == want, rows)
+  plain = _plain_collectives(forward, args)
+  check("fp8_qdq: no plain collective in the program", not plain, plain)
+  if kv is not None:
+    kv.wait_at_barrier("ao-test/fp8-qdq-compiled", 300_000)
+  got = jax.block_until_ready(forward(*args))
+  shard = got.addressable_shards[0]
+  err = float(np.linalg.norm(np.asarray(shard.data, np.float64) - ref[shard.index])
+              / np.linalg.norm(ref[shard.index]))
+  tol = _fp8_tolerances(mesh)[0]  # as the fp8_step's output (see _fp8_step)
+  check("fp8_qdq: output equals the CPU reference", err < tol, f"{err:.1e} (tol {tol:.2f})")
+  _check_repeat(check, "fp8_qdq", forward, args, got)
 
 
 def _fp8_step(mesh, cfg, check, kv, mode):

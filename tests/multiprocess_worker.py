@@ -19,7 +19,7 @@ if "AO_TEST_CACHE_DIRS" in os.environ:  # one tuning cache per process (as on se
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
-if scenario in ("nested_step", "fp8_step", "first_call_step", "first_call_step_again"):
+if scenario in ("nested_step", "fp8_step", "fp8_qdq", "first_call_step", "first_call_step_again"):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # between the processes' CPUs
 jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=60)
 
@@ -160,6 +160,20 @@ def fp8_step_scenario():
                             check, kv, "reference")
 
 
+def fp8_qdq_scenario():
+  """tests/gpu_two_process.py's fp8_qdq (the quantize-dequantize form, forward only) on CPU
+  devices (one per process), the reference ring for the fused fp8 ops."""
+  import jax_autooverlap as ao
+  import gpu_two_process
+  checks = result["checks"] = {}
+
+  def check(name, ok, detail=""):
+    checks[name] = [bool(ok), str(detail)[:600]]
+
+  gpu_two_process._fp8_qdq(_one_device_per_process_mesh(), ao.OverlapConfig(impl="reference"),
+                           check, kv, "reference")
+
+
 def _planned_as_gpus():
   """This process's CPU devices planned as GPUs: a stand-in workspace, the kernels' unfused math
   traced where a kernel is planned (as tests/conftest.py's stand_in_kernels)."""
@@ -246,6 +260,7 @@ def agree_scenario(dies: int | None):
 {"rendezvous": rendezvous_scenario, "workspace": workspace_scenario,
  "nested_step": nested_step_scenario,
  "fp8_step": fp8_step_scenario,
+ "fp8_qdq": fp8_qdq_scenario,
  "workspace_libcuda": lambda: workspace_scenario(real_driver=True),
  "planning": planning_scenario,
  "first_call_step": lambda: first_call_step_scenario(again=False),

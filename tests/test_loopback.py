@@ -4,6 +4,7 @@ records and table.
 (The kernels themselves run in tests/test_gpu_loopback.py, and compile in
 tests/test_kernel_compile.py.)
 """
+import dataclasses
 import json
 
 import jax
@@ -387,6 +388,16 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
                                  ["tl", "gluon"], 132)) == ["tl", "gluon"]
   assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
+  # a mover sweep (AG only): each engine's config at each other count, the rest unchanged
+  ag = fixture.Case("ag", 16384, 8192, 8192, world=8)
+  base = cli.fused_variants(ag, "NVIDIA H200", ["tl", "gluon"], 132)
+  swept = cli.fused_variants(ag, "NVIDIA H200", ["tl", "gluon"], 132,
+                             {"tl": (base["tl"].num_comm, 48), "gluon": (132,)})
+  assert list(swept) == ["tl", "gluon", "tl-m48", "gluon-m132"]
+  assert swept["tl-m48"] == dataclasses.replace(base["tl"], num_comm=48)
+  assert swept["gluon-m132"] == dataclasses.replace(base["gluon"], num_comm=132)
+  assert list(cli.fused_variants(fixture.Case("rs", 16384, 8192, 8192, world=8), "NVIDIA H200",
+                                 ["tl"], 132, {"tl": (48,)})) == ["tl"]
   assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
       "tl-64x256-k3")
 

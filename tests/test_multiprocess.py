@@ -327,6 +327,19 @@ def test_gpu_two_process_fp8_step_scenario_on_cpu_processes():
     assert len(p["checks"]) == 6
 
 
+def test_gpu_two_process_fp8_qdq_scenario_on_cpu_processes():
+  """The harness's fp8 forward in the quantize-dequantize form on two CPU processes (the fused
+  fp8 ops' reference ring): both rows fused in e4m3 x e4m3, no plain collective, the output
+  within the fp8 tolerance of the unsharded f32 forward, calls bit-identical."""
+  for p in _run_processes("fp8_qdq", timeout=240):
+    failed = {k: v for k, v in p["checks"].items() if not v[0]}
+    # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
+    assert set(failed) == {"fp8_qdq: every row fused"}, failed
+    detail = failed["fp8_qdq: every row fused"][1]
+    assert detail.count(" fused ") == 2 and detail.count("reference") == 2, detail
+    assert len(p["checks"]) == 5
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_first_call_verdict_agreed_by_every_process(tmp_path, n):
   """Each process times the same programs, and they disagree: process 0 alone would choose

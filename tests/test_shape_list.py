@@ -113,7 +113,8 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
              dict(base, impl="ours_tl", median_ms=0.13, engine="tl"),
              dict(base, impl="engine_alone", median_ms=0.104, engine="gluon"),
              dict(base, impl="ours", median_ms=0.108, engine="gluon",
-                  kernel={"engine": "gluon", "block_m": 128, "block_n": 128, "wg_partitions": False}),
+                  kernel={"engine": "gluon", "block_m": 128, "block_n": 128, "wg_partitions": False,
+                          "num_comm": 64}),
              dict(small, impl="gemm_alone", median_ms=0.01),
              dict(small, impl="ours", median_ms=0.0124, engine="tl",
                   kernel={"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 4}),
@@ -121,7 +122,7 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
                   impl="unsupported", reason="K=3696 must be a multiple of 64")]
   rows = shapes.table_rows(records)
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
-                     "1.080", "gluon-128x128", "1.040", "1.300", "1.10", "yes")
+                     "1.080", "gluon-128x128-m64", "1.040", "1.300", "1.10", "yes")
   # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan
   assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
                          "nan", "1.25", "yes")
@@ -139,5 +140,11 @@ def test_parse_args():
   args = shapes.parser().parse_args(["--loopback", "--filter", "w8", "--filter", "ag",
                                      "--max-shapes", "12"])
   assert (args.filter, args.max_shapes, args.rounds, args.calls) == (["w8", "ag"], 12, 5, 20)
+  args = shapes.parser().parse_args(["--loopback", "--movers", "tl=16,48", "--movers", "gluon=132"])
+  from jax_autooverlap.bench.loopback import cli
+  assert cli.parse_movers(args.movers) == {"tl": (16, 48), "gluon": (132,)}
+  for bad in ("tl", "tl=", "cuda=4", "tl=4,x", "gluon=0"):
+    with pytest.raises(ValueError, match="--movers"):
+      cli.parse_movers([bad])
   with pytest.raises(SystemExit):
     shapes.parser().parse_args([])

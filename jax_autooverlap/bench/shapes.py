@@ -129,10 +129,17 @@ def table_rows(records: list[dict]) -> list[tuple]:
     met = "-" if math.isnan(ours) else ("yes" if ours <= goal else "no")
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"])) if "gemm_alone" in impls else "-"
     rows.append((model, proj, op, w, shape, local, f"{gemm:.4f}", f"{ours:.3f}",
-                 variant_name(impls["ours"].get("kernel", impls["ours"]))
-                 if "ours" in impls else "-",
+                 kernel_name(op, impls["ours"]) if "ours" in impls else "-",
                  f"{ratio('engine_alone'):.3f}", f"{ratio('ours_tl'):.3f}", f"{goal:.2f}", met))
   return rows
+
+
+def kernel_name(op: str, ours: dict) -> str:
+  """The table's name of the fastest variant: its engine and tiles (loopback's variant_name),
+  for AG its mover count too."""
+  kernel = ours.get("kernel", ours)
+  movers = f"-m{kernel['num_comm']}" if op == "ag" and "num_comm" in kernel else ""
+  return variant_name(kernel) + movers
 
 
 def format_table(records: list[dict]) -> str:
@@ -188,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--time-budget", type=float, default=None,
                   help="seconds: start no entry after this long (the table of what ran is "
                        "still printed)")
+  from jax_autooverlap.bench.loopback.cli import add_movers_argument
+  add_movers_argument(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
@@ -196,6 +205,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+  from jax_autooverlap.bench.loopback.cli import parse_movers
+  movers = parse_movers(args.movers)
   entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
   if args.list:
     for e in entries:
@@ -232,7 +243,7 @@ def main(argv=None) -> int:
       records.append({**base, "impl": "unsupported", "reason": reason})
       continue
     try:
-      measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls)
+      measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers)
     except Exception as ex:  # noqa: BLE001 - report, go on with the list
       log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})

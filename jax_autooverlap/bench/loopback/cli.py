@@ -8,6 +8,7 @@ import datetime
 import json
 import pathlib
 import sys
+import time
 
 import numpy as np
 
@@ -84,14 +85,21 @@ def variant_name(cfg) -> str:
   return name + (f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else "")
 
 
-def fused_variants(case: Case, device_kind: str, engines, num_sms: int) -> dict:
+def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=None) -> dict:
   """{name: KernelConfig} of the fused variants autotuning would time for this case: the
   tuner's config on each engine, GEMM+RS on the Gluon engine with a consumer partition per
   warpgroup too, and for small shapes the narrower tiles and split-K
-  (tuning/select.small_shape_configs)."""
+  (tuning/select.small_shape_configs).  movers ({engine: (count, ...)}, AG only): also each
+  engine's config with each of those mover counts (tl: CTAs; gluon: CTAs with a mover warp),
+  named with "-m<count>"."""
   from jax_autooverlap.tuning import select
   configs = kernel_configs(case, device_kind, engines)
   variants = {variant_name(c): c for c in configs.values()}
+  if case.op == "ag":
+    for engine, cfg in configs.items():
+      for count in (movers or {}).get(engine, ()):
+        if count != cfg.num_comm:
+          variants[f"{variant_name(cfg)}-m{count}"] = dataclasses.replace(cfg, num_comm=count)
   if case.op == "rs" and "gluon" in configs:
     variants["gluon_wg"] = dataclasses.replace(configs["gluon"], wg_partitions=True)
   if configs:
@@ -104,15 +112,17 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int) -> dict:
   return variants
 
 
-def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dict]:
-  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants),
-  ours_tl (the fastest on the tl engine), engine_alone (the Gluon engine's GEMM alone with the
-  tiles of the fastest Gluon variant)."""
+def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None) -> list[dict]:
+  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
+  its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
+  engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant)."""
   import jax
   from jax_autooverlap.runtime import cuda
+  t0 = time.monotonic()
   lb = Loopback(case, device)
+  log(f"{case.op} {case.label}: operands and workspaces set up in {time.monotonic() - t0:.1f} s")
   num_sms = cuda.sm_count(device.local_hardware_id)
-  variants = fused_variants(case, device.device_kind, engines, num_sms)
+  variants = fused_variants(case, device.device_kind, engines, num_sms, movers)
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
@@ -131,6 +141,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
   tol = max_rel_err(case)
   for name, cfg in variants.items():
     program = fused_program(case, cfg, num_sms)
+    t0 = time.monotonic()
     try:
       checks[name] = lb.check(program)
     except Exception as e:  # noqa: BLE001 - report, keep benchmarking
@@ -138,7 +149,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
       continue
     ok = (checks[name]["rel_err"] <= tol and checks[name]["push_rel_err"] <= tol
           and checks[name]["bit_identical_repeat"])
-    log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}")
+    log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}"
+        f" ({time.monotonic() - t0:.1f} s: compile, reference, two calls)")
     if ok:
       contestants[name] = (program, lb.fused_args(), kernel_names(cfg.engine, case.op))
   with timing.ClockSampler() as clocks:
@@ -157,7 +169,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int) -> list[dic
     records.append(("engine_alone", timed[engine_tiles[tiles]],
                     {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}"}))
   if fused is not None:
-    records.append(("ours", timed[fused], described(fused)))
+    records.append(("ours", timed[fused], {**described(fused), "variants_ms": {
+        e: round(timed[e][0], 4) for e in variants if e in timed}}))
   for e in contestants:
     if e in timed and e != "gemm_alone":
       log(f"{case.op} {case.label} {e}: {timed[e][0]:.4f} ms "
@@ -255,6 +268,7 @@ def parser() -> argparse.ArgumentParser:
                        "%(default)s)")
   ap.add_argument("--calls", type=int, default=20,
                   help="back-to-back calls per round (default: %(default)s)")
+  add_movers_argument(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
@@ -262,6 +276,29 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
   return ap
+
+
+def add_movers_argument(ap: argparse.ArgumentParser):
+  ap.add_argument("--movers", action="append", default=[], metavar="ENGINE=N,N,...",
+                  help="AG: also time ENGINE's config with each of these mover counts (tl: "
+                       "CTAs, gluon: CTAs with a mover warp); repeat per engine, e.g. "
+                       "--movers tl=16,32,48 --movers gluon=32,64,132")
+
+
+def parse_movers(values) -> dict[str, tuple[int, ...]]:
+  """{engine: (count, ...)} of --movers values "ENGINE=N,N,..."."""
+  out = {}
+  for v in values:
+    engine, sep, counts = v.partition("=")
+    try:
+      parsed = tuple(int(c) for c in counts.split(",") if c)
+    except ValueError:
+      parsed = ()
+    if engine not in ("tl", "gluon") or not sep or not parsed or min(parsed) < 1:
+      raise ValueError(f"--movers {v!r}: expected ENGINE=N,N,... with ENGINE tl or gluon and "
+                       f"positive counts, e.g. tl=16,32")
+    out[engine] = parsed
+  return out
 
 
 def parse_args(argv):
@@ -285,6 +322,7 @@ def gpus_and_engines(engines_arg: str, what: str):
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  movers = parse_movers(args.movers)
   cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
            for s in args.shapes.split(",")]
   gpus, engines = gpus_and_engines(args.engines, "bench --loopback")
@@ -295,7 +333,7 @@ def main(argv=None) -> int:
   records, timelines, raw_traces = [], [], {}
   for case in cases:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
-    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls):
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
