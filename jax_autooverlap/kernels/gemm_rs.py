@@ -9,9 +9,9 @@ peer is stored (plain 16-byte stores through the peer pointer) into the
 owner's slot for this rank, and the owner's arrival counter of that chunk (a
 group of tile rows) is bumped with release semantics at system scope.  A
 tile owned by this GPU waits (acquire, bounded) for the chunk from every
-peer, reads the partials with TMA and sums them in fixed rank order
-0..world-1, so results are bit-identical run to run whatever the arrival
-order.  No CTA waits for a CTA of its own GPU.  With SPLIT_K > 1 the counter
+peer, reads the partials with TMA and sums them in a fixed order (its own
+partial first, then the peers' in rank order, as the Gluon kernel), so results
+are bit-identical run to run whatever the arrival order.  No CTA waits for a CTA of its own GPU.  With SPLIT_K > 1 the counter
 hands out parts of tiles (kernels/split_k.py): the part that finishes a
 tile's sum last pushes it or, for own rows, sums it with the peers'.
 
@@ -133,15 +133,13 @@ def gemm_rs_kernel(
         pending = tl.full([], 1, tl.int32)
       else:
         expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # fixed rank order: deterministic sums
-          if r == rank:
-            total += acc
-          else:
+        # summed into acc in place (a second f32 tile beside it spilled: 264 bytes per thread)
+        for r in tl.static_range(WORLD):
+          if r != rank:
             wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
                           TIMEOUT_NS)
-            total += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], total.to(out_dtype))
+            acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   if pending != 0:
     signal_add(pending_flag, 1)
