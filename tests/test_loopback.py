@@ -165,6 +165,27 @@ def test_references_are_the_unfused_group_result(op, world):
       np.testing.assert_allclose(p, partial[r * rows:(r + 1) * rows], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fp8_references_are_the_f32_product_of_the_fp8_values(op):
+  """fp8: b comes as [N, K]; the reference is the f32 product of the exact values, scaled
+  (Case.scale), plus (rs) the peers' partials."""
+  case = fixture.Case(op, 64, 128, 64, dtype="float8_e4m3fn", world=4)
+  rng = np.random.default_rng(3)
+  e4 = lambda shape: jnp.asarray(rng.standard_normal(shape) * 4, jnp.float8_e4m3fn)
+  a, b = e4(case.a_shape), e4(case.b_shape)
+  peers = [jnp.asarray(rng.standard_normal(case.piece_shape),
+                       fixture.np_dtype(case.piece_dtype)) for _ in range(3)]
+  out, pushes = fixture.references(case, a, b, peers)
+  f64 = lambda x: np.asarray(x, np.float64)
+  if op == "ag":
+    want = np.concatenate([f64(a), *map(f64, peers)]) @ f64(b).T * case.scale
+  else:
+    partial = f64(a) @ f64(b).T * case.scale
+    want = partial[:16] + sum(map(f64, peers))
+    np.testing.assert_allclose(pushes[0], partial[16:32], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
 def test_per_call_time_counts_only_the_contestants_kernels():
   events = [("loopback_arm_kernel", 0.003), ("ag_gemm_kernel", 0.30), ("loopback_arm_kernel", 0.003),
             ("ag_gemm_kernel", 0.32), ("Memset 3", 0.002), ("nvjet_tst_256x128", 0.01)]
