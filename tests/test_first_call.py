@@ -184,7 +184,12 @@ def test_fixed_candidates_per_group_size_and_engine():
     (f32,) = select.default_candidates("ag", w, np.float32, "9.0")  # one tl config
     assert f32.engine == "tl" and select.unsupported(1024, 4096, 4096, np.float32,
                                                      np.float32, f32) is None
-  assert select.default_candidates("ag", 8, BF16)[0].chunks == 2  # smaller shards at 8
+  # w - 1 copies of the shard to push: groups of 4 and 8 take more AG movers than pairs
+  movers = lambda w, engine: {c.num_comm for c in select.default_candidates("ag", w, BF16, "9.0")
+                              if c.engine == engine}
+  for w in (4, 8):
+    assert min(movers(w, "tl")) > max(movers(2, "tl"))
+    assert min(movers(w, "gluon")) > min(movers(2, "gluon"))
   assert select.default_candidates("ag", 16, BF16) == select.default_candidates("ag", 8, BF16)
   assert select.default_candidates("ag", 3, BF16) == select.default_candidates("ag", 4, BF16)
 

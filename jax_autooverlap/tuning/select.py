@@ -54,9 +54,13 @@ GLUON_CAPABILITY = "9.0"
 # 16-bit operands): AG with 32 and 64 mover warps (its push rate grows with them: 2xH200,
 # docs/NOTES.md; the shipped 2xH200 verdicts that chose Gluon took c4 m32 and c8 m64), GEMM+RS
 # with and without a consumer partition per warpgroup.  float32 runs one tl config.
-DEFAULT_TL = {"ag": {2: ((4, 16), (8, 16)), 4: ((4, 16), (2, 32)), 8: ((2, 16), (4, 32))},
+# Groups of 4 and 8 push w - 1 copies of the shard: their AG takes more movers (loopback on one
+# H200, TP-rank shapes of Llama-3-8B/70B Q/K/V, docs/NOTES.md: at w = 8 tl 32 movers 1.22-1.36 x
+# cuBLAS against 1.24-1.87 x with 16 and 2.0-2.9 x with 8; at w = 4 Gluon 64 and 132 mover
+# warps 1.11 x against 1.47 x with 32).
+DEFAULT_TL = {"ag": {2: ((4, 16), (8, 16)), 4: ((4, 32), (4, 48)), 8: ((4, 32), (4, 48))},
               "rs": {2: (4, 8), 4: (4, 2), 8: (2, 4)}}
-DEFAULT_GLUON = {"ag": {2: ((4, 32), (8, 64)), 4: ((4, 32), (2, 64)), 8: ((2, 32), (2, 64))},
+DEFAULT_GLUON = {"ag": {2: ((4, 32), (8, 64)), 4: ((4, 64), (4, 132)), 8: ((2, 64), (2, 132))},
                  "rs": {2: 4, 4: 4, 8: 2}}
 LISTED_WORLDS = (2, 4, 8)
 # Small shapes (fewer than SMALL_WAVES waves of the default tiles): autotuning and the loopback
