@@ -532,19 +532,25 @@ def _fp8_qdq_case(mesh, cfg):
   return forward, args, np.asarray(ref)
 
 
+def _check_fp8_rows_fused(check, name, program, args, mode) -> list[tuple]:
+  """Checks that explain's every row of `program` is fused on the kernel (mode "kernel") or the
+  reference ring (mode "reference"); returns the rows' (phase, kind, status, dtype)."""
+  import jax_autooverlap as ao
+  report = ao.explain(program, *args)
+  runs = "triton kernel" if mode == "kernel" else "reference ring"
+  check(f"{name}: every row fused", report.matches and all(
+      m.status == "fused" and m.impl and m.impl.startswith(runs) for m in report),
+      "; ".join(f"{m.phase} {m.kind} {m.status} {m.dtype} {m.impl or m.reason}" for m in report))
+  return [(m.phase, m.kind, m.status, m.dtype) for m in report]
+
+
 def _fp8_qdq(mesh, cfg, check, kv, mode):
   """The fp8_qdq scenario (see the module docstring); mode "kernel" (GPUs) or "reference"
   (CPU processes: the reference ring); kv None: one process."""
   import jax
   import numpy as np
-  import jax_autooverlap as ao
   forward, args, ref = _fp8_qdq_case(mesh, cfg)
-  report = ao.explain(forward, *args)
-  runs = "triton kernel" if mode == "kernel" else "reference ring"
-  rows = [(m.phase, m.kind, m.status, m.dtype) for m in report]
-  check("fp8_qdq: every row fused", report.matches and all(
-      m.status == "fused" and m.impl and m.impl.startswith(runs) for m in report),
-      "; ".join(f"{m.phase} {m.kind} {m.status} {m.dtype} {m.impl or m.reason}" for m in report))
+  rows = _check_fp8_rows_fused(check, "fp8_qdq", forward, args, mode)
   want = [("fwd", k, "fused", "e4m3xe4m3->bfloat16") for k in ("ag_matmul", "matmul_rs")]
   check("fp8_qdq: 2 rows, AG+GEMM and GEMM+RS in e4m3 x e4m3", sorted(rows) == want, rows)
   plain = _plain_collectives(forward, args)
@@ -564,14 +570,8 @@ def _fp8_step(mesh, cfg, check, kv, mode):
   """The fp8_step scenario (see the module docstring); mode "kernel" (GPUs) or "reference"
   (CPU processes: the reference ring); kv None: one process."""
   import jax
-  import jax_autooverlap as ao
   step, args, host, ref = _fp8_step_case(mesh, cfg)
-  report = ao.explain(step, *args)
-  runs = "triton kernel" if mode == "kernel" else "reference ring"
-  rows = [(m.phase, m.kind, m.status, m.dtype) for m in report]
-  check("fp8: every row fused", report.matches and all(
-      m.status == "fused" and m.impl and m.impl.startswith(runs) for m in report),
-      "; ".join(f"{m.phase} {m.kind} {m.status} {m.dtype} {m.impl or m.reason}" for m in report))
+  rows = _check_fp8_rows_fused(check, "fp8", step, args, mode)
   # forward and remat: e4m3 x e4m3; backward: the e5m2 cotangent times an e4m3 operand
   want = sorted([("fwd", "ag_matmul"), ("fwd", "matmul_rs"), ("remat", "ag_matmul")]) + [
       ("bwd", "ag_matmul"), ("bwd", "matmul_rs")]
