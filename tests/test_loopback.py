@@ -217,19 +217,24 @@ def test_kernel_configs_are_the_tuners_pick_with_each_engine():
   assert [c.engine for c in cfgs.values()] == ["tl", "gluon"]
   picked = select.choose_ag(OverlapConfig(autotune=False), "NVIDIA H200", 2, 2048, 8192, 4096,
                             jnp.bfloat16, jnp.bfloat16).kernel
-  picked = picked or select.default_kernel(jnp.bfloat16)
+  fixed = select.default_candidates("ag", 2, jnp.bfloat16, "9.0")
+  picked = picked or fixed[0]  # no verdict: the group's first (tl) first-call candidate
   tl, gl = cfgs["tl"], cfgs["gluon"]
   assert (tl.chunks, tl.num_comm, tl.block_n) == (picked.chunks, picked.num_comm, picked.block_n)
   if picked.engine == "gluon":
     assert gl == picked
   else:  # a tl pick's movers are CTAs; the Gluon variant takes the group's Gluon movers (warps)
-    first = [c for c in select.default_candidates("ag", 2, jnp.bfloat16, "9.0")
-             if c.engine == "gluon"][0]
+    first = [c for c in fixed if c.engine == "gluon"][0]
     assert (gl.chunks, gl.num_comm, gl.block_n) == (first.chunks, first.num_comm, picked.block_n)
-  # a group of 8: the tuner's pick for that group (no cost model there: the default)
+  # a group of 8: the tuner's pick for that group (no cost model there: the group's first
+  # first-call candidates, not the default config's 8 movers)
   cfgs = cli.kernel_configs(fixture.Case("rs", 8192, 4096, 4096, world=8), "NVIDIA H200",
                             ["tl", "gluon"])
   assert {e: c.block_m for e, c in cfgs.items()} == {"tl": 128, "gluon": 128}
+  cfgs = cli.kernel_configs(fixture.Case("ag", 8192, 4096, 6144, world=8), "NVIDIA H200",
+                            ["tl", "gluon"])
+  firsts = {c.engine: c for c in reversed(select.default_candidates("ag", 8, jnp.bfloat16, "9.0"))}
+  assert cfgs == firsts and cfgs["tl"].num_comm > select.default_kernel(jnp.bfloat16).num_comm
   # float32 has no Gluon path: skipped with the tuner's reason
   assert list(cli.kernel_configs(fixture.Case("rs", 1024, 2048, 1024, "float32"), "NVIDIA H200",
                                 ["tl", "gluon"])) == ["tl"]

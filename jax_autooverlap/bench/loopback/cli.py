@@ -23,8 +23,10 @@ log = common.logger("loopback")
 
 def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   """{engine: KernelConfig}: the tuner's config for the op of this shape in its group (its cached
-  verdict, else the fit model's, else the default: nothing is measured here), with each
-  engine (the Gluon one with Gluon movers where the pick is a tl config)."""
+  verdict, else the fit model's; nothing is measured here), else the group's first tl
+  first-call candidate (what a first call times; the default config's 8 movers are far from it
+  in groups of 4 and 8), with each engine (the Gluon one with Gluon movers where the pick is a
+  tl config)."""
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import OverlapConfig
   dtype, out_dtype, w = np_dtype(case.dtype), np_dtype(case.out_dtype), case.world
@@ -34,11 +36,12 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   else:
     v = select.choose_rs(OverlapConfig(autotune=False), device_kind, w, case.m, case.k // w,
                          case.n, dtype, out_dtype)
-  base = v.kernel or select.default_kernel(dtype)
+  fixed = select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY)
+  first = lambda engine: next((c for c in fixed if c.engine == engine), None)
+  base = v.kernel or first("tl") or select.default_kernel(dtype)
   # a tl pick's movers are CTAs, the Gluon engine's are warps: where the tuner picked tl, the
   # Gluon variant takes the chunks and movers of the group's first Gluon first-call candidate
-  gluon = next((c for c in select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY)
-                if c.engine == "gluon"), None)
+  gluon = first("gluon")
   out = {}
   for engine in engines:
     try:
