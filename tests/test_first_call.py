@@ -21,7 +21,7 @@ from jax_autooverlap.ops import measure
 from jax_autooverlap.ops.planning import plan
 from jax_autooverlap.tuning import autotune, select, store
 from jax_autooverlap.tuning import model as cost_model
-from jax_autooverlap.tuning.config import KernelConfig
+from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig
 
 BF16 = jnp.bfloat16
 H200 = "NVIDIA H200"
@@ -211,9 +211,17 @@ def test_first_call_candidates_ranked_by_the_model_and_pruned_by_the_resource_mo
   assert [c.engine for c in got] == ["tl", "tl", "gluon", "gluon"]
   got, predicted = select.first_call_candidates("ag", None, 4, sizes, 2048, BF16, BF16, None)
   assert got == select.default_candidates("ag", 4, BF16) and predicted is None
-  # the resource model: what cannot run is never timed (here: K not a multiple of 64)
+  # the resource model: what cannot run is never timed (here: K not a multiple of 64, which
+  # the all-gather pushes in 64-column blocks); GEMM+RS takes it (TMA zero-fills the k-block)
   assert select.first_call_candidates("ag", None, 4, (2048, 1000, 64), 2048, BF16, BF16,
                                       "9.0") == ((), None)
+  got, _ = select.first_call_candidates("rs", None, 8, (8192, 3696, 8192), 1024, BF16, BF16, "9.0")
+  assert got == select.default_candidates("rs", 8, BF16, "9.0")
+  v = select.choose_rs(OverlapConfig(), H200, 8, 8192, 3696, 8192, BF16, BF16,
+                       compute_capability="9.0")
+  assert v.source == "first_call" and v.candidates == got
+  v = select.choose_ag(OverlapConfig(), H200, 8, 1024, 3696, 1024, BF16, BF16)
+  assert v.kernel is None and "multiple of 64 (the all-gather" in v.reason
 
 
 # --- cache keys and the kernel-source hash -------------------------------------------------
@@ -422,8 +430,8 @@ def test_first_call_times_real_programs_from_inside_a_jit_trace(gpu_planned, mon
   good = impls["triton"].run
   broken = select.default_candidates("ag", 2, BF16)[1]
 
-  def run(a, b, cp, need_gathered):
-    out = good(a, b, cp, need_gathered)
+  def run(a, b, cp, need_gathered, scale=None):  # as registry.dispatch and measure call it
+    out = good(a, b, cp, need_gathered, scale)
     if cp.gpu.kernel == broken:  # a wrong kernel: its result is off
       return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
     return out

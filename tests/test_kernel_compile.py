@@ -316,6 +316,25 @@ def test_tl_kernels_do_not_spill(monkeypatch, tmp_path, op, dtype):
   assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("engine", ["tl", "gluon"])
+def test_gemm_rs_compiles_a_ragged_k(monkeypatch, tmp_path, engine, dtype):
+  """GEMM+RS with a K that is not a multiple of the k-block (Qwen2-72B's down projection at
+  TP = 8: 3696 per GPU): both engines build it (the last k-block's TMA loads are zero-filled
+  past K), without spills or a serialized wgmma."""
+  dt = jnp.dtype(dtype)
+  if engine == "tl":
+    cfg = KernelConfig(block_k=128) if fp8.is_fp8(dt) else KernelConfig()
+    ptx = _ptx(monkeypatch, tmp_path / "dump", dt, cfg, 8192, 3696, 8192, 2,
+               return_gathered=False, op="rs")
+  else:
+    ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program("rs", 8192, 3696, 8192, dt))
+  assert "cp.async.bulk.tensor" in ptx and "ld.global.acquire.sys" in ptx
+  report = _ptxas_report(ptx, tmp_path)
+  assert "C7512" not in report and "serialized" not in report, report
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
 def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
   """GEMM+RS with a consumer partition per warpgroup (WG_PARTS = 2: autotuning times it) builds
   for sm_90a with the plain kernel's fast paths: 64-row wgmma, TMA pushes and stores, the full

@@ -26,6 +26,8 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("rs", 4, 2, 64, 64, 256, 512, 384),
     ("rs", 4, 3, 64, 128, 600, 2048, 320),    # ragged, split-K
     ("rs", 8, 4, 64, 64, 128, 4096, 512),     # 16 rows per owner
+    ("rs", 4, 1, 64, 128, 256, 800, 384),     # K = 200 per GPU: a ragged last k-block
+    ("rs", 4, 3, 64, 128, 600, 800, 320),     # ragged k-block, split-K
     # workspaces grown for a larger call (runtime/workspace.py): parity slot 1 lies half-way
     # through the buffer area, not right after slot 0
     ("ag", 2, 1, 64, 128, 256, 512, 384, 3 * 4096 + 48),

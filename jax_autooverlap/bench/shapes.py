@@ -161,7 +161,7 @@ def unsupported_reason(entry: Entry, dtype: str) -> str:
   case = entry.case(dtype)
   dt = np_dtype(dtype)
   return select.unsupported(case.m // case.world, case.local_gemm[1], case.local_gemm[2], dt, dt,
-                            select.default_kernel(dt)) or "no engine runs it"
+                            select.default_kernel(dt), entry.op) or "no engine runs it"
 
 
 def parser() -> argparse.ArgumentParser:

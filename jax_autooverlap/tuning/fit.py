@@ -302,7 +302,7 @@ def predict_checks(params: dict, shape: Shape, impls: dict) -> Check:
   rows, k, cols = shape.per_device
   configs = [c for c in select.candidate_configs(shape.op, m, shape.dtype)
              if select.unsupported(rows if shape.op == "ag" else rows // shape.world, k, cols,
-                                   shape.dtype, shape.dtype, c) is None]
+                                   shape.dtype, shape.dtype, c, shape.op) is None]
   best_ms, best_cfg = m.rank(shape.op, rows, k, cols, configs)[0]
   return Check(shape, _median([r["median_ms"] for r in impls["unfused"]]), best_rec["median_ms"],
                cfg, m.unfused_ms(shape.op, rows, k, cols), m.fused_ms(shape.op, rows, k, cols, cfg),

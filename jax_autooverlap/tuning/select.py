@@ -101,19 +101,22 @@ def default_kernel(dtype) -> KernelConfig:
   return KernelConfig(engine=engine)
 
 
-def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig) -> str | None:
-  """Why the kernel cannot run this shape, or None."""
+def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig,
+                op: str = "ag") -> str | None:
+  """Why the kernel of `op` (ag | rs) cannot run this shape, or None.  K: the AG pushes whole
+  64-column blocks of its shard (and fp8 k-blocks); GEMM+RS only reads a and b, through TMA
+  descriptors that fill a ragged last k-block with zeros, so any 16-byte-aligned K runs."""
   dt = np.dtype(dtype)
   if dt.name not in KERNEL_DTYPES:
     return f"dtype {dt.name} has no GPU kernel"
   if (k * dt.itemsize) % 16 or (n * dt.itemsize) % 16 or (n * np.dtype(out_dtype).itemsize) % 16:
     return f"K={k} and N={n} rows must be 16-byte aligned for TMA"
-  if k % 64:
-    return f"K={k} must be a multiple of 64"
+  if op != "rs" and k % 64:
+    return f"K={k} must be a multiple of 64 (the all-gather pushes 64-column blocks)"
   if fp8.is_fp8(dt):
     if np.dtype(out_dtype).name not in fp8.FP8_OUT_DTYPES:
       return f"fp8 operands give {' or '.join(fp8.FP8_OUT_DTYPES)}, not {np.dtype(out_dtype).name}"
-    if k % cfg.block_k:
+    if op != "rs" and k % cfg.block_k:
       return f"K={k} must be a multiple of the fp8 K tile {cfg.block_k}"
     if cfg.block_k * dt.itemsize < 32:
       return f"fp8 wgmma needs K tiles of at least 32 (block_k={cfg.block_k})"
@@ -161,7 +164,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   Only configs that run the shape; none for 32-bit dtypes (no small-tile measurements)."""
   if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
     return []
-  fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c) is None
+  fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c, op) is None
                     and split_k_unsupported(c, fused_tiles(world, shard_rows, n, c), k) is None)
   out = []
   for engine in engines:
@@ -240,7 +243,7 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   MAX_CANDIDATES in all;
   predicted: the model's (fused ms of the best tl candidate, unfused ms) or None."""
   rows, k, cols = sizes
-  runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None
+  runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c, op) is None
   fixed = [c for c in default_candidates(op, world, dtype, compute_capability) if runs(c)]
   out_item = np.dtype(out_dtype).itemsize
   tl = lambda configs: [c for c in configs if c.engine == "tl"]  # the model's tile costs are tl's
@@ -310,7 +313,7 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
   """The model's choice: its fastest runnable config if that beats its unfused prediction."""
   out_item = np.dtype(out_dtype).itemsize
   configs = [c for c in candidate_configs(op, model, dtype)
-             if unsupported(cfg_rows, k, cols, dtype, out_dtype, c) is None]
+             if unsupported(cfg_rows, k, cols, dtype, out_dtype, c, op) is None]
   ranked = model.rank(op, rows, k, cols, configs, out_item)
   unfused = model.unfused_ms(op, rows, k, cols, out_item)
   if not ranked:
@@ -343,7 +346,7 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
             why_not: str | None, compute_capability, props) -> Verdict:
   explicit = config.kernel
   cfg = explicit or default_kernel(dtype)
-  why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg)
+  why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg, op)
              or split_k_unsupported(cfg, fused_tiles(world, shard_rows, sizes[2], cfg), sizes[1]))
   if why_not:
     return Verdict(None, Reason("unsupported_shape", why_not))

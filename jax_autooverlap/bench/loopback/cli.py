@@ -53,7 +53,7 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
       continue
     # rows per GPU (ag: its shard; rs: its output rows), then the local GEMM's K and N
     why = select.unsupported(case.m // w, case.local_gemm[1], case.local_gemm[2], dtype,
-                             out_dtype, cfg)
+                             out_dtype, cfg, case.op)
     if why is None:
       out[engine] = cfg
     else:
