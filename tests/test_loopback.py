@@ -424,6 +424,17 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   assert swept["gluon-m132"] == dataclasses.replace(base["gluon"], num_comm=132)
   assert list(cli.fused_variants(fixture.Case("rs", 16384, 8192, 8192, world=8), "NVIDIA H200",
                                  ["tl"], 132, {"tl": (48,)})) == ["tl"]
+  # first_call: also what a first call would time (no verdict for this shape), each config once
+  from jax_autooverlap.tuning import select
+  first = cli.first_call_variants(ag, "NVIDIA H200", ["tl", "gluon"])
+  assert set(first.values()) == set(select.default_candidates("ag", 8, jnp.bfloat16, "9.0"))
+  assert list(first)[:2] == ["tl-c4m32", "tl-c4m48"]
+  both = cli.fused_variants(ag, "NVIDIA H200", ["tl", "gluon"], 132, first_call=True)
+  assert set(both.values()) == set(base.values()) | set(first.values())
+  assert len(both) == len(set(both.values()))
+  rs = cli.first_call_variants(fixture.Case("rs", 16384, 8192, 8192, world=8), "NVIDIA H200",
+                               ["tl"])
+  assert list(rs) == ["tl-c2", "tl-c4"]
   assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
       "tl-64x256-k3")
 

@@ -195,8 +195,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--time-budget", type=float, default=None,
                   help="seconds: start no entry after this long (the table of what ran is "
                        "still printed)")
-  from jax_autooverlap.bench.loopback.cli import add_movers_argument
-  add_movers_argument(ap)
+  from jax_autooverlap.bench.loopback.cli import add_variant_arguments
+  add_variant_arguments(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
@@ -243,7 +243,8 @@ def main(argv=None) -> int:
       records.append({**base, "impl": "unsupported", "reason": reason})
       continue
     try:
-      measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers)
+      measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
+                                args.first_call_candidates)
     except Exception as ex:  # noqa: BLE001 - report, go on with the list
       log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})

@@ -88,16 +88,40 @@ def variant_name(cfg) -> str:
   return name + (f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else "")
 
 
-def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=None) -> dict:
+def first_call_variants(case: Case, device_kind: str, engines) -> dict:
+  """{name: KernelConfig} of what a user's first call of this shape times where the tuner has
+  no verdict for it (select's first-call candidates on sm_90, less engines not asked for; {}
+  where a verdict exists), each named by variant_name plus "-c<chunks>" (AG: "m<movers>")."""
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import OverlapConfig
+  dtype, out_dtype, w = np_dtype(case.dtype), np_dtype(case.out_dtype), case.world
+  cc = select.GLUON_CAPABILITY if "gluon" in engines else None
+  if case.op == "ag":
+    v = select.choose_ag(OverlapConfig(), device_kind, w, case.m // w, case.k, case.n // w,
+                         dtype, out_dtype, compute_capability=cc)
+  else:
+    v = select.choose_rs(OverlapConfig(), device_kind, w, case.m, case.k // w, case.n, dtype,
+                         out_dtype, compute_capability=cc)
+  movers = lambda c: f"m{c.num_comm}" if case.op == "ag" else ""
+  return {f"{variant_name(c)}-c{c.chunks}{movers(c)}": c for c in v.candidates
+          if c.engine in engines}
+
+
+def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=None,
+                   first_call: bool = False) -> dict:
   """{name: KernelConfig} of the fused variants autotuning would time for this case: the
   tuner's config on each engine, GEMM+RS on the Gluon engine with a consumer partition per
   warpgroup too, and for small shapes the narrower tiles and split-K
   (tuning/select.small_shape_configs).  movers ({engine: (count, ...)}, AG only): also each
   engine's config with each of those mover counts (tl: CTAs; gluon: CTAs with a mover warp),
-  named with "-m<count>"."""
+  named with "-m<count>".  first_call: also every first-call candidate (first_call_variants)."""
   from jax_autooverlap.tuning import select
   configs = kernel_configs(case, device_kind, engines)
   variants = {variant_name(c): c for c in configs.values()}
+  if first_call:
+    for name, cfg in first_call_variants(case, device_kind, engines).items():
+      if cfg not in variants.values():
+        variants[name] = cfg
   if case.op == "ag":
     for engine, cfg in configs.items():
       for count in (movers or {}).get(engine, ()):
@@ -115,7 +139,8 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=N
   return variants
 
 
-def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None) -> list[dict]:
+def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None,
+               first_call: bool = False) -> list[dict]:
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
   its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
   engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant)."""
@@ -125,7 +150,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   lb = Loopback(case, device)
   log(f"{case.op} {case.label}: operands and workspaces set up in {time.monotonic() - t0:.1f} s")
   num_sms = cuda.sm_count(device.local_hardware_id)
-  variants = fused_variants(case, device.device_kind, engines, num_sms, movers)
+  variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call)
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
@@ -271,7 +296,7 @@ def parser() -> argparse.ArgumentParser:
                        "%(default)s)")
   ap.add_argument("--calls", type=int, default=20,
                   help="back-to-back calls per round (default: %(default)s)")
-  add_movers_argument(ap)
+  add_variant_arguments(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
@@ -281,7 +306,10 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
-def add_movers_argument(ap: argparse.ArgumentParser):
+def add_variant_arguments(ap: argparse.ArgumentParser):
+  ap.add_argument("--first-call-candidates", action="store_true",
+                  help="also time every config a user's first call would time for the shape "
+                       "(where no verdict exists), named <engine>-c<chunks>[m<movers>]")
   ap.add_argument("--movers", action="append", default=[], metavar="ENGINE=N,N,...",
                   help="AG: also time ENGINE's config with each of these mover counts (tl: "
                        "CTAs, gluon: CTAs with a mover warp); repeat per engine, e.g. "
@@ -336,7 +364,8 @@ def main(argv=None) -> int:
   records, timelines, raw_traces = [], [], {}
   for case in cases:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
-    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers):
+    for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
+                        args.first_call_candidates):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
