@@ -11,9 +11,10 @@ group of tile rows) is bumped with release semantics at system scope.  A
 tile owned by this GPU waits (acquire, bounded) for the chunk from every
 peer, reads the partials with TMA and sums them in a fixed order (its own
 partial first, then the peers' in rank order, as the Gluon kernel), so results
-are bit-identical run to run whatever the arrival order.  No CTA waits for a CTA of its own GPU.  With SPLIT_K > 1 the counter
-hands out parts of tiles (kernels/split_k.py): the part that finishes a
-tile's sum last pushes it or, for own rows, sums it with the peers'.
+are bit-identical run to run whatever the arrival order.  No CTA waits for a
+CTA of its own GPU.  With SPLIT_K > 1 the counter hands out parts of tiles
+(kernels/split_k.py): the part that finishes a tile's sum last pushes it or,
+for own rows, sums it with the peers'.
 
 The release of a pushed tile is deferred until the CTA has run the main
 loop of its next tile: a system-scope release waits until every earlier
