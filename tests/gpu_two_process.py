@@ -296,6 +296,19 @@ def _step_dims(n: int) -> tuple[int, int, int, int]:
   return dims
 
 
+def _placer(mesh):
+  """place(host array, spec, dtype=bf16): a global array over `mesh`, every process giving the
+  blocks of its own devices from the same host array."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+
+  def place(a, spec, dtype=jnp.bfloat16):
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
+                                        lambda i: jnp.asarray(a[i], dtype))
+  return place
+
+
 def _step_case(mesh, cfg):
   """The nested_step program: (step, (params, x, ct), the host arrays, the reference outputs:
   the same step run unsharded in f32 on this process's CPU)."""
@@ -303,7 +316,7 @@ def _step_case(mesh, cfg):
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
 
   import jax_autooverlap as ao
   D, F, S, L = _step_dims(mesh.shape["x"])
@@ -314,10 +327,7 @@ def _step_case(mesh, cfg):
   X, CT = (as_bf16(rng.standard_normal((S, D))) for _ in range(2))
   specs = {"w1": P(None, None, "x"), "w3": P(None, None, "x"), "w2": P(None, "x", None)}
 
-  def place(a, spec):  # every process gives the blocks of its devices
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                        lambda i: jnp.asarray(a[i], jnp.bfloat16))
-
+  place = _placer(mesh)
   def layer(x, p, gather, scatter):
     g = gather(x)
     h = jax.nn.silu(g @ p["w1"]) * (g @ p["w3"])
@@ -370,7 +380,7 @@ def _fp8_step_case(mesh, cfg):
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
 
   import jax_autooverlap as ao
   E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -439,10 +449,7 @@ def _fp8_step_case(mesh, cfg):
                                out_specs=P("x")), overlap_config=cfg)
   step = jax.jit(train_step(model))
 
-  def place(a, spec, dtype=jnp.bfloat16):  # every process gives the blocks of its devices
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                        lambda i: jnp.asarray(a[i], dtype))
-
+  place = _placer(mesh)
   args = ({k: place(v, specs[k]) for k, v in host.items()},
           {k: place(v, P(), jnp.float32) for k, v in scale_host.items()},
           place(X, P("x")), place(CT, P("x")))
@@ -482,7 +489,7 @@ def _fp8_qdq_case(mesh, cfg):
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
 
   import jax_autooverlap as ao
   E4 = jnp.float8_e4m3fn
@@ -519,10 +526,7 @@ def _fp8_qdq_case(mesh, cfg):
                  overlap_config=cfg)
   forward = jax.jit(lambda params, scales, x: model(params, scales, x))
 
-  def place(a, spec, dtype=jnp.bfloat16):  # every process gives the blocks of its devices
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec),
-                                        lambda i: jnp.asarray(a[i], dtype))
-
+  place = _placer(mesh)
   args = ({k: place(v, specs[k]) for k, v in host.items()},
           {k: place(v, P(), jnp.float32) for k, v in scale_host.items()}, place(X, P("x")))
   with jax.default_device(jax.local_devices(backend="cpu")[0]):  # unsharded, f32, this CPU

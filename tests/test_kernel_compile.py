@@ -287,6 +287,19 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
   return run.stdout + run.stderr
 
 
+def _assert_no_spills(ptx: str, tmp_path):
+  """ptxas neither spills nor serializes the wgmma for lack of registers (warning C7512)."""
+  report = _ptxas_report(ptx, tmp_path)
+  assert "C7512" not in report and "serialized" not in report, report
+  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+
+
+def _tl_default(dtype) -> KernelConfig:
+  """The default tl config of a dtype (select.default_kernel's, whatever the environment's
+  engine)."""
+  return dataclasses.replace(select.default_kernel(dtype), engine="tl")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("kind", ["gemm", "ag", "rs", "rs_wg", "gemm_64"])
 def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_path, kind,
@@ -297,9 +310,7 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
   slowly (seen on a GEMM+RS variant, docs/NOTES.md)."""
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump",
                       *_gluon_program(kind, 8192, 4096, 4096, dtype=jnp.dtype(dtype)))
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  _assert_no_spills(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -308,12 +319,10 @@ def test_tl_kernels_do_not_spill(monkeypatch, tmp_path, op, dtype):
   """The tl kernels with the default config (128x256 tiles, 8 warps), 16-bit and fp8 operands:
   ptxas reports no spills.  GEMM+RS summed its own rows into a second f32 tile beside the
   accumulator and spilled 264 (bf16) / 328 (fp8) bytes per thread at 255 registers."""
-  cfg = KernelConfig(block_k=128) if fp8.is_fp8(jnp.dtype(dtype)) else KernelConfig()
-  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, 8192 if op == "rs" else 4096,
+  dt = jnp.dtype(dtype)
+  ptx = _ptx(monkeypatch, tmp_path / "dump", dt, _tl_default(dt), 8192 if op == "rs" else 4096,
              4096, 4096, 2, return_gathered=False, op=op)
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  _assert_no_spills(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
@@ -324,15 +333,12 @@ def test_gemm_rs_compiles_a_ragged_k(monkeypatch, tmp_path, engine, dtype):
   past K), without spills or a serialized wgmma."""
   dt = jnp.dtype(dtype)
   if engine == "tl":
-    cfg = KernelConfig(block_k=128) if fp8.is_fp8(dt) else KernelConfig()
-    ptx = _ptx(monkeypatch, tmp_path / "dump", dt, cfg, 8192, 3696, 8192, 2,
+    ptx = _ptx(monkeypatch, tmp_path / "dump", dt, _tl_default(dt), 8192, 3696, 8192, 2,
                return_gathered=False, op="rs")
   else:
     ptx = _exported_ptx(monkeypatch, tmp_path / "dump", *_gluon_program("rs", 8192, 3696, 8192, dt))
   assert "cp.async.bulk.tensor" in ptx and "ld.global.acquire.sys" in ptx
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  _assert_no_spills(ptx, tmp_path)
 
 
 def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
@@ -372,9 +378,7 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
     assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx
   else:
     assert "ld.global.cg" not in ptx
-  report = _ptxas_report(ptx, tmp_path)
-  assert "C7512" not in report and "serialized" not in report, report
-  assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", report), report
+  _assert_no_spills(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("cfg", [KernelConfig(engine="gluon", block_m=64, block_n=128, num_warps=4),
