@@ -19,7 +19,7 @@
 #                         FIRST_CALL_SERIAL=1: one group size after the other
 #   any/path.py           a Python script run in the same environment (experiments)
 # TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
-# Logs and JSON go to $OUT; each step is bounded by `timeout`.
+# Logs and JSON go to $OUT (returned as $OUT/all.tgz); each step is bounded by `timeout`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -75,4 +75,6 @@ for step in "$@"; do
   esac
   s=${PIPESTATUS[0]}; [[ $s != 0 ]] && { echo "=== $step failed: rc $s"; rc=$s; }
 done
+# The device tool brings back at most 8 files: everything goes back as one archive.
+tar czf /tmp/all.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/all.tgz"
 exit $rc

@@ -3,6 +3,8 @@ host side, on CPU: the list's arithmetic from the published model dimensions, th
 GEMMs, the filters and the table."""
 import json
 
+import math
+
 import pytest
 
 from jax_autooverlap.bench import __main__ as bench
@@ -116,7 +118,7 @@ def test_list_command_prints_entries_without_a_gpu(capsys):
 
 def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   base = dict(model="llama3-8b", projection="qkv", op="ag", m=8192, k=4096, n=6144, world_size=8,
-              local_gemm=[8192, 4096, 768])
+              local_gemm=[8192, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16")
   small = dict(base, m=128, local_gemm=[128, 4096, 768])
   records = [dict(base, impl="gemm_alone", median_ms=0.1),
              dict(base, impl="ours_tl", median_ms=0.13, engine="tl"),
@@ -130,13 +132,25 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
              dict(base, projection="down", op="rs", m=8192, k=29568, n=8192, model="qwen2-72b",
                   impl="unsupported", reason="K=3696 must be a multiple of 64")]
   rows = shapes.table_rows(records)
+  # the floor: 7 peers' shards of 1024 x 4096 bf16 at the H200 model's copy-engine rate, over
+  # the 0.1 ms GEMM
+  from jax_autooverlap.tuning import model
+  link_gbps = model.load("NVIDIA H200", 8, "bfloat16").group.link_gbps
+  assert 300 < link_gbps < 478  # between NCCL's and NVLink's peak (shared/DESIGN.md)
+  floor = 7 * 1024 * 4096 * 2 / (link_gbps * 1e9) / 0.1e-3
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
-                     "1.080", "gluon-128x128-m64", "1.040", "1.300", "1.10", "yes")
-  # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan
+                     "1.080", "gluon-128x128-m64", "1.040", "1.300", f"{floor:.2f}", "1.10", "yes")
+  # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan; 16-row shards
+  # move in less time than the GEMM: the floor is the GEMM
   assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
-                         "nan", "1.25", "yes")
+                         "nan", "1.00", "1.25", "yes")
   assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
-                     "K=3696 must be a multiple of 64", "-", "-", "-", "-")
+                     "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-")
+  # RS: the peers' partials of this GPU's rows (bf16 for fp8 operands too); a kind without a
+  # cost model has no floor
+  rs = dict(base, op="rs", k=1024 * 8, n=8192, dtype="float8_e4m3fn")
+  assert shapes.link_floor_ms(rs, 0.01) == pytest.approx(7 * 1024 * 8192 * 2 / (link_gbps * 1e6))
+  assert math.isnan(shapes.link_floor_ms(dict(rs, gpu="Some-Other-GPU"), 0.01))
   table = shapes.format_table(records)
   assert table.splitlines()[-1] == "target met on 2 of 2 measured entries"
   assert "ours/cuBLAS" in table.splitlines()[1]
