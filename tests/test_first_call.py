@@ -482,6 +482,44 @@ def test_first_call_measures_fp8_matmuls_within_the_formats_bound(gpu_planned, m
   assert measure.tolerance(e4, BF16, 256) < 0.01
 
 
+def test_a_mixed_format_fp8_matmul_is_measured_in_both_its_formats(gpu_planned, monkeypatch,
+                                                                   tmp_path, capsys):
+  """The backward's e5m2 cotangent times e4m3 weights: the first call times and checks the
+  candidates on operands in those two formats (the kernel that then runs), not both in the
+  first operand's; the verdict is keyed by the first operand's format."""
+  monkeypatch.setattr(autotune, "ROUNDS", 3)
+  monkeypatch.setattr(autotune, "ROUND_MS", 1.0)
+  e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  made = []
+  real_case = measure._Case
+
+  def spy(*args):
+    case = real_case(*args)
+    made.append(case)
+    return case
+  monkeypatch.setattr(measure, "_Case", spy)
+  mesh = cpu_mesh((2,), ("x",))
+
+  def body(x, w):
+    g = lax.all_gather(x, "x", axis=0, tiled=True)
+    return lax.dot_general(g, w, (((1,), (0,)), ((), ())), preferred_element_type=BF16)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
+  x = jax.device_put(jnp.ones((256, 256), e5), NamedSharding(mesh, P("x")))
+  w = jax.device_put(jnp.ones((256, 256), e4), NamedSharding(mesh, P(None, "x")))
+  np.testing.assert_allclose(np.asarray(ao.jit(f)(x, w), np.float32), 256.0)
+  (case,) = made
+  assert [a.dtype for a in case.args(0)] == [np.dtype(e5), np.dtype(e4)]
+  assert "timing ag 256x256x256 float8_e5m2 x float8_e4m3fn on 2 GPUs" in capsys.readouterr().err
+  (key, entry), = json.loads((tmp_path / "tuning-ag.json").read_text()).items()
+  assert key.endswith("float8_e5m2") and entry["source"] == "first_call"
+  assert not entry.get("failed")  # every candidate passed its check on the mixed operands
+  # the two formats' blocks differ, and the reference is their f32 product
+  a, b = (np.asarray(v, np.float32) for v in case.args(1))
+  for d in mesh.devices.flat:
+    index = NamedSharding(mesh, case.out_spec).devices_indices_map(case.out_shape)[d]
+    np.testing.assert_allclose(np.asarray(case.reference(1, d)), (a @ b)[index], rtol=1e-5)
+
+
 def test_reference_blocks_are_this_devices_block_of_the_product():
   mesh = cpu_mesh((2, 2), ("dp", "x"))
   for op, sizes in (("ag_rows", (64, 128, 32)), ("rs_rows", (128, 64, 32))):

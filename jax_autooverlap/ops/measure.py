@@ -62,10 +62,12 @@ def tolerance(dtype, out_dtype, k: int | None = None, partials: int = 1) -> floa
 class _Case:
   """The operands of one call (two input sets) and this process's reference blocks."""
 
-  def __init__(self, op, mesh, axis_name, sizes, dtype, out_dtype):
+  def __init__(self, op, mesh, axis_name, sizes, dtype, out_dtype, b_dtype=None):
     rows, k, cols = sizes
     self.n = n = mesh.shape[axis_name]
-    self.mesh, self.axis, self.dtype, self.op = mesh, axis_name, np.dtype(dtype), op
+    self.mesh, self.axis, self.op = mesh, axis_name, op
+    # each operand in its own format (an fp8 backward: e5m2 cotangents times e4m3 weights)
+    self.dtypes = (np.dtype(dtype), np.dtype(b_dtype if b_dtype is not None else dtype))
     # rs sums n partial products, each rounded to out_dtype: contraction n * k
     self.tol = (tolerance(dtype, out_dtype, k) if op == "ag_rows"
                 else tolerance(dtype, out_dtype, n * k, partials=n))
@@ -79,7 +81,8 @@ class _Case:
       self.specs = (P(None, axis_name), P(axis_name))
       self.blocks = ((rows, k), (k, cols))
       self.out_spec, self.out_shape = P(axis_name), (rows, cols)
-    self.seed = int(hashlib.sha256(f"{op}{sizes}{self.dtype.name}".encode()).hexdigest()[:7], 16)
+    names = "".join(d.name for d in self.dtypes)
+    self.seed = int(hashlib.sha256(f"{op}{sizes}{names}".encode()).hexdigest()[:7], 16)
     self._args, self._refs = {}, {}
 
   def position(self, device) -> int:
@@ -91,7 +94,7 @@ class _Case:
     """Block j of operand `which` (0: a, 1: b) of input set s, made on `device`."""
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), 4 * s + which), j)
     with jax.default_device(device):
-      return _normal(key, self.blocks[which], self.dtype)
+      return _normal(key, self.blocks[which], self.dtypes[which])
 
   def args(self, s: int):
     """Input set s as global arrays over the mesh."""
@@ -209,20 +212,24 @@ def shared_gpus(mesh, agreement) -> str | None:
           "which NCCL refuses")
 
 
-def describe_call(op: str, world: int, sizes, dtype) -> str:
-  """ "ag 8192x4096x4096 bf16 on 8 GPUs": the global M x K x N as the benchmarks name shapes."""
+def describe_call(op: str, world: int, sizes, dtype, b_dtype=None) -> str:
+  """ "ag 8192x4096x4096 bf16 on 8 GPUs": the global M x K x N as the benchmarks name shapes
+  (two formats, "float8_e5m2 x float8_e4m3fn", where the operands' differ)."""
   rows, k, cols = sizes
   m, kk, n = (world * rows, k, world * cols) if op == "ag_rows" else (rows, world * k, cols)
   short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-  name = np.dtype(dtype).name
-  return f"{op[:2]} {m}x{kk}x{n} {short.get(name, name)} on {world} GPUs"
+  names = [np.dtype(d).name for d in (dtype, b_dtype) if d is not None]
+  names = " x ".join(short.get(x, x) for x in dict.fromkeys(names))
+  return f"{op[:2]} {m}x{kk}x{n} {names} on {world} GPUs"
 
 
 def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, out_dtype,
-               params: Callable[[KernelConfig | None], object]) -> select.Verdict:
+               params: Callable[[KernelConfig | None], object], b_dtype=None) -> select.Verdict:
   """Measure verdict.candidates against the unfused program on `mesh` (every process of it
   agreeing) and return the verdict; params(kernel) is the CoreParams of the op on a 2-D call
-  (kernel None: the unfused program)."""
+  (kernel None: the unfused program).  b_dtype: the second operand's format where it differs
+  from `dtype` (two fp8 formats): the operands are made in their own formats, so the kernel
+  timed and checked is the one that then runs (the verdict's key names `dtype`)."""
   devices = np.asarray(mesh.devices)
   ids = ",".join(str(d.id) for d in devices.flat)
   count = _MEASURED[(verdict.key, ids)]
@@ -230,11 +237,11 @@ def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, 
   processes = sorted({d.process_index for d in devices.flat})
   tag = "first-call/{}/{}/{}".format(re.sub(r"[^\w.|x-]", "_", verdict.key),
                                      hashlib.sha256(ids.encode()).hexdigest()[:12], count)
-  what = describe_call(op, mesh.shape[axis_name], sizes, dtype)
+  what = describe_call(op, mesh.shape[axis_name], sizes, dtype, b_dtype)
   agreement = _Agreement(tag, processes, f"first-call measurement of {what}")
 
   def programs():
-    case = _Case(op, mesh, axis_name, sizes, dtype, out_dtype)
+    case = _Case(op, mesh, axis_name, sizes, dtype, out_dtype, b_dtype)
     kernels = (None, *verdict.candidates)
     labels = (autotune.UNFUSED, *map(str, range(len(verdict.candidates))))
     out = [_Program(label, case, op, params(kernel)) for label, kernel in zip(labels, kernels)]

@@ -50,7 +50,8 @@ class CoreParams:
 
 
 def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_dtype,
-         mesh=None, *, axis_name=None, may_time=False) -> tuple[str, GpuPlan | None, Reason]:
+         mesh=None, *, axis_name=None, may_time=False,
+         b_dtype=None) -> tuple[str, GpuPlan | None, Reason]:
   """Which implementation runs a fused call: (impl, gpu plan, why).
 
   `op` is the core ("ag_rows", "ag_k", "rs_rows"); `canonical` its (batch,
@@ -59,7 +60,9 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   the kernel, the workspace registry must also support the axis' groups
   (collective over the mesh's processes: the same answer in every process).
   `may_time` (the ops' trace, never ao.explain's) lets a shape without a
-  measured verdict be measured now; otherwise its reason says "first_call".
+  measured verdict be measured now; otherwise its reason says "first_call".  `b_dtype`: the
+  second operand's format where it differs from `dtype` (two fp8 formats; the measurement
+  makes each operand in its own).
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, Reason("forced", f"{config.impl} (forced by OverlapConfig)")
@@ -97,7 +100,7 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
         verdict = measure.first_call(op, verdict, mesh, axis_name, (rows, k, cols), dtype,
                                      out_dtype, functools.partial(
                                          _measured_params, op, mesh, axis_name, out_dtype,
-                                         config.timeout_s))
+                                         config.timeout_s), b_dtype)
         context.measured()
         why = verdict.reason
       if support.ok and verdict.kernel is not None:
@@ -156,7 +159,8 @@ def core_params(op, ring: RingParams, a3, b3, config: OverlapConfig, mesh,
     canonical = (a3.shape[0], a3.shape[1], b3.shape[1] * n, b3.shape[2])
   dtype = registry.operand_dtype(a3.dtype, b3.dtype)
   impl, gpu, _ = plan(op, config, n, canonical, dtype, ring.out_dtype, mesh,
-                      axis_name=ring.axis_name, may_time=True)
+                      axis_name=ring.axis_name, may_time=True,
+                      b_dtype=b3.dtype if b3.dtype != dtype else None)
   return CoreParams(ring=ring, impl=impl, return_gathered=return_gathered, gpu=gpu,
                     config=config, mesh=mesh)
 
