@@ -171,3 +171,38 @@ def test_parse_args():
       cli.parse_movers([bad])
   with pytest.raises(SystemExit):
     shapes.parser().parse_args([])
+
+
+def test_records_of_several_runs_merge_in_list_order_the_later_run_winning(tmp_path, capsys):
+  """A list measured over several device calls: --table-from builds one table from their
+  files, --skip-measured leaves out what they hold."""
+  def rec(m, impl, ms, **kw):
+    return dict(model="llama3-8b", projection="qkv", op="ag", m=m, k=4096, n=6144, world_size=8,
+                local_gemm=[m, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16", impl=impl,
+                median_ms=ms, **kw)
+  ours = dict(engine="gluon", kernel={"engine": "gluon", "block_m": 128, "block_n": 256,
+                                      "wg_partitions": False, "num_comm": 64})
+  run1 = [rec(8192, "gemm_alone", 0.1), rec(8192, "ours", 0.2, **ours),
+          rec(4096, "gemm_alone", 0.05), rec(4096, "ours", 0.052, **ours)]
+  alone1 = [rec(8192, "engine_alone", 0.11, engine="gluon")]
+  run2 = [rec(8192, "gemm_alone", 0.1), rec(8192, "ours", 0.105, **ours)]  # re-measured
+  paths = []
+  for i, recs in enumerate((run1, alone1, run2)):
+    paths.append(tmp_path / f"{i}.json")
+    paths[-1].write_text(json.dumps(recs))
+  merged = shapes.read_records(paths)
+  # list order (4096 tokens before 8192), run 2's timing, run 1's engine alone kept
+  assert [(r["m"], r["impl"], r["median_ms"]) for r in merged] == [
+      (4096, "gemm_alone", 0.05), (4096, "ours", 0.052),
+      (8192, "gemm_alone", 0.1), (8192, "ours", 0.105), (8192, "engine_alone", 0.11)]
+  assert bench.main(["shapes", "--loopback", "--table-from", *map(str, paths)]) == 0
+  rows = capsys.readouterr().out.splitlines()
+  assert rows[-1] == "target met on 2 of 2 measured entries"
+  assert rows[-2].split()[7:10] == ["1.050", "gluon-m64", "1.100"]  # ours, kernel, engine alone
+  # --skip-measured: of Llama-3-8B's Q/K/V at TP 8 and 4k/8k tokens, nothing is left to run
+  assert bench.main(["shapes", "--loopback", "--list", "--filter", "llama3-8b", "--filter", "qkv",
+                     "--filter", "w8", "--filter", "step", "--skip-measured", str(paths[0])]) == 0
+  out, err = capsys.readouterr()
+  assert out.splitlines() == ["llama3-8b qkv ag 16384x4096x6144 w8  local 16384x4096x768  "
+                              "(16384 tokens)", "1 entries"]
+  assert "2 of 3 selected entries already measured" in err

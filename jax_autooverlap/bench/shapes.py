@@ -2,6 +2,8 @@
 loopback on one GPU in one command.
 
     python -m jax_autooverlap.bench shapes --loopback [--filter F ...] [--max-shapes N] [--list]
+        [--skip-measured JSON ...]   (leave out what earlier runs measured)
+    python -m jax_autooverlap.bench shapes --loopback --table-from JSON ...   (one table of runs)
 
 The list is package data (data/llm_shapes.json), so an installed benchmark finds it.  Its
 `models` are the published dimensions (hidden, intermediate, heads, KV heads, head size; for
@@ -164,6 +166,28 @@ def kernel_name(op: str, ours: dict) -> str:
   return variant_name(kernel) + movers
 
 
+def entry_key(r) -> tuple:
+  """What identifies an entry of the list in an Entry or a record."""
+  if isinstance(r, Entry):
+    return (r.model, r.projection, r.op, r.m, r.k, r.n, r.world)
+  return (r["model"], r["projection"], r["op"], r["m"], r["k"], r["n"], r["world_size"])
+
+
+def read_records(paths) -> list[dict]:
+  """The records of several runs' JSON files, in list order (entries not in the list last).
+  Where two files hold an entry's timed records (or its engine-alone ones), the later file's."""
+  latest: dict[tuple, dict[bool, list]] = {}
+  for path in paths:
+    mine: dict[tuple, list] = {}
+    for r in json.loads(pathlib.Path(path).read_text()):
+      mine.setdefault((entry_key(r), r["impl"] == "engine_alone"), []).append(r)
+    for (key, alone), rs in mine.items():
+      latest.setdefault(key, {})[alone] = rs
+  order = {entry_key(e): i for i, e in enumerate(load())}
+  keys = sorted(latest, key=lambda k: order.get(k, len(order)))
+  return [r for k in keys for alone in (False, True) for r in latest[k].get(alone, [])]
+
+
 def format_table(records: list[dict]) -> str:
   rows = [HEAD] + [tuple(map(str, r)) for r in table_rows(records)]
   widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
@@ -218,6 +242,13 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--time-budget", type=float, default=None,
                   help="seconds: start no entry after this long (the table of what ran is "
                        "still printed)")
+  ap.add_argument("--skip-measured", nargs="+", default=[], metavar="JSON",
+                  help="skip the entries these *-shapes-loopback.json files already hold "
+                       "(a list measured over several runs)")
+  ap.add_argument("--table-from", nargs="+", default=[], metavar="JSON",
+                  help="run nothing: print the table of these record files "
+                       "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs; "
+                       "one row per entry, in list order, the latest run's where two hold it)")
   from jax_autooverlap.bench.loopback.cli import add_variant_arguments
   add_variant_arguments(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
@@ -230,7 +261,16 @@ def main(argv=None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
   from jax_autooverlap.bench.loopback.cli import parse_movers
   movers = parse_movers(args.movers)
+  if args.table_from:
+    print(format_table(read_records(args.table_from)))
+    return 0
   entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
+  if args.skip_measured:
+    done = {entry_key(r) for r in read_records(args.skip_measured) if r["impl"] != "engine_alone"}
+    left = [e for e in entries if entry_key(e) not in done]
+    log(f"{len(entries) - len(left)} of {len(entries)} selected entries already measured "
+        f"({', '.join(args.skip_measured)}): skipped")
+    entries = left
   if args.list:
     for e in entries:
       print(f"{e.label}  local {'x'.join(map(str, e.case(args.dtype).local_gemm))}"
