@@ -43,8 +43,9 @@ def run_impl(c: RunConfig, impl: str, args, devices, xla_options: dict) -> dict:
   params = init_params(c, mesh, args.seed)
   # eager: zeros_like keeps each parameter's sharding; scalars (step counts)
   # land on one device and are replicated over the mesh
+  on_mesh = params["final_norm"].sharding.device_set
   opt_state = jax.tree.map(
-      lambda a: a if a.sharding.device_set == params["final_norm"].sharding.device_set
+      lambda a: a if a.sharding.device_set == on_mesh
       else jax.device_put(a, NamedSharding(mesh, P())), opt_init(params))
   batches = make_batches(c, mesh, args.seed)
   shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
