@@ -19,8 +19,8 @@ The consumer warpgroups run the main loop and then, per tile:
   waits on a peer, so two GPUs never wait on each other's held signals.
 - own rows: wait (acquire, bounded) for the chunk from every peer, then sum
   this GPU's partial and the peers' partials (TMA-loaded into the epilogue
-  buffer, one at a time, the next peer's counter polled while a partial is in
-  flight) in a fixed order: own partial first, then the peers in rank order.  The order is fixed per owner, so results are bit-identical
+  buffer, one at a time) in a fixed order: own partial first, then the peers
+  in rank order.  The order is fixed per owner, so results are bit-identical
   run to run whatever the arrival order (it differs from the `tl` kernel's
   0..world-1 order, which would keep a second fp32 tile live in registers).
   The first peer's partial usually comes early: the producer takes one look
@@ -258,27 +258,17 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       pending = 1
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
-      # The peers in the summation order: the i-th is rank i, or i + 1 past this rank.  Peer
-      # i + 1's counter is polled while peer i's partial is in flight (one round trip per
-      # peer, not two); its partial is loaded once every warp has read peer i's.  The polls'
-      # loops are out of line: inline beside the accumulator, ptxas spilled 72-92 B.
-      if prefetched == 0:
-        wait_at_least(my_flags + first * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, first,
-                      c, TIMEOUT_NS, True)
-        eng.load_epilogue_source((part_desc, first * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
-                                  c_smem, part_bar))
-      for i in gl.static_range(WORLD - 1):
-        if i + 1 < WORLD - 1:
-          r_next = i + 1 + (i + 1 >= rank).to(gl.int32)
-          wait_at_least(my_flags + r_next * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
-                        r_next, c, TIMEOUT_NS, True)
-        mbarrier.wait(part_bar, loads & 1)
-        loads += 1
-        acc += c_smem.load(acc.type.layout).to(gl.float32)
-        tl.debug_barrier()  # every warp has read the partial before the buffer is reused
-        if i + 1 < WORLD - 1:
-          eng.load_epilogue_source((part_desc, r_next * M_OUT + tm * BLOCK_M + ROW0,
-                                    tn * BLOCK_N, c_smem, part_bar))
+      for r in gl.static_range(WORLD):
+        if r != rank:
+          if r != first or prefetched == 0:
+            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+                          TIMEOUT_NS, WG_PARTS > 1)
+            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
+                                      c_smem, part_bar))
+          mbarrier.wait(part_bar, loads & 1)
+          loads += 1
+          acc += c_smem.load(acc.type.layout).to(gl.float32)
+          tl.debug_barrier()  # every warp has read the partial before the buffer is reused
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)
