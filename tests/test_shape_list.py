@@ -2,7 +2,6 @@
 host side, on CPU: the list's arithmetic from the published model dimensions, the per-rank
 GEMMs, the filters and the table."""
 import json
-
 import math
 
 import pytest
