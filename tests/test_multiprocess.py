@@ -313,31 +313,22 @@ def test_gpu_two_process_nested_step_scenario_on_cpu_processes():
     assert len(p["checks"]) == 6
 
 
-def test_gpu_two_process_fp8_step_scenario_on_cpu_processes():
-  """The harness's fp8 TP+SP training step on two CPU processes (the fused fp8 ops' reference
-  ring): forward and recomputed forward in e4m3 x e4m3, backward in e5m2 x e4m3, every row
-  fused, no plain collective, output, gradients and updates within the fp8 tolerance of the
-  unsharded f32 step, two calls bit-identical (on a GPU the same scenario runs the kernels)."""
-  for p in _run_processes("fp8_step", timeout=240):
+@pytest.mark.parametrize("scenario,label,rows,checks", [("fp8_step", "fp8", 5, 6),
+                                                        ("fp8_qdq", "fp8_qdq", 2, 5)])
+def test_gpu_two_process_fp8_scenarios_on_cpu_processes(scenario, label, rows, checks):
+  """The harness's fp8 scenarios on two CPU processes (the fused fp8 ops' reference ring):
+  fp8_step, the TP+SP training step (forward and recomputed forward in e4m3 x e4m3, backward in
+  e5m2 x e4m3, output, gradients and updates within the fp8 tolerance of the unsharded f32
+  step); fp8_qdq, the forward in the quantize-dequantize form (both rows in e4m3 x e4m3, the
+  output within the fp8 tolerance of the unsharded f32 forward).  Every row fused, no plain
+  collective, two calls bit-identical (on a GPU the same scenarios run the kernels)."""
+  for p in _run_processes(scenario, timeout=240):
     failed = {k: v for k, v in p["checks"].items() if not v[0]}
     # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
-    assert set(failed) == {"fp8: every row fused"}, failed
-    detail = failed["fp8: every row fused"][1]
-    assert detail.count(" fused ") == 5 and detail.count("reference") == 5, detail
-    assert len(p["checks"]) == 6
-
-
-def test_gpu_two_process_fp8_qdq_scenario_on_cpu_processes():
-  """The harness's fp8 forward in the quantize-dequantize form on two CPU processes (the fused
-  fp8 ops' reference ring): both rows fused in e4m3 x e4m3, no plain collective, the output
-  within the fp8 tolerance of the unsharded f32 forward, calls bit-identical."""
-  for p in _run_processes("fp8_qdq", timeout=240):
-    failed = {k: v for k, v in p["checks"].items() if not v[0]}
-    # rows are fused by the reference ring here ("every row fused" wants the GPU kernel)
-    assert set(failed) == {"fp8_qdq: every row fused"}, failed
-    detail = failed["fp8_qdq: every row fused"][1]
-    assert detail.count(" fused ") == 2 and detail.count("reference") == 2, detail
-    assert len(p["checks"]) == 5
+    assert set(failed) == {f"{label}: every row fused"}, failed
+    detail = failed[f"{label}: every row fused"][1]
+    assert detail.count(" fused ") == rows and detail.count("reference") == rows, detail
+    assert len(p["checks"]) == checks
 
 
 @pytest.mark.parametrize("n", [2, 4])
