@@ -435,6 +435,51 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
                                     select.default_kernel(np.float32), 132) == []
 
 
+def test_a_short_second_wave_of_ag_tiles_is_split_in_two():
+  """AG on tl where the tiles overflow the compute CTAs (SMs less movers) by at most 64 (the
+  split counters) and K >= 8192: those tiles split in two, timed beside the small-shape
+  candidates; not at smaller K (measured slower), nor where the tiles fit one wave or overflow
+  it by more, nor for GEMM+RS or on the Gluon engine."""
+  m32 = KernelConfig(num_comm=32)
+  # Llama-3-70B Q/K/V at TP = 8, 4k tokens: 8 x 4 x 5 = 160 tiles on 132 - 32 compute CTAs
+  got = select.tail_split_config("ag", 8, 512, 8192, 1280, m32, 132)
+  assert got == dataclasses.replace(m32, split_k=2, split_tail=60)
+  assert select.tail_split_config("ag", 8, 512, 8192, 1280, KernelConfig(), 132).split_tail == 36
+  assert select.tail_split_config("ag", 8, 512, 4096, 1280, m32, 132) is None  # K = 4096
+  assert select.tail_split_config("ag", 8, 256, 8192, 1280, m32, 132) is None  # 80 tiles
+  assert select.tail_split_config("ag", 4, 1024, 8192, 2560, m32, 132) is None  # 320: 220 over
+  assert select.tail_split_config("rs", 8, 512, 8192, 1280, m32, 132) is None
+  assert select.tail_split_config("ag", 8, 512, 8192, 1280,
+                                  dataclasses.replace(m32, engine="gluon"), 132) is None
+  assert select.small_shape_configs("ag", 8, 512, 8192, 1280, BF16, BF16, m32, 132)[-1] == got
+  cands, _ = select.first_call_candidates("ag", None, 8, (512, 8192, 1280), 512, BF16, BF16,
+                                          "9.0")
+  usual = select.default_candidates("ag", 8, BF16, "9.0")
+  assert cands[:select.SMALL_KEEP + 1] == usual[:select.SMALL_KEEP] + (
+      dataclasses.replace(usual[0], split_k=2, split_tail=60),)  # the first tl one's movers
+
+
+def test_a_tail_split_launch_sizes_its_units_and_partials():
+  from jax_autooverlap.backends import launch
+  cfg = KernelConfig(split_k=2, split_tail=60)
+  assert launch.split_from(cfg, 192) == 132 and launch.work_units(cfg, 192) == 132 + 60 * 2
+  assert launch.partials_type(cfg, 192, 4096, "t").shape == (60 * 2 * 128 * 256,)
+  assert launch.split_from(cfg, 50) == 0 and launch.work_units(cfg, 50) == 100  # all split
+  every = KernelConfig(block_m=64, block_n=128, num_warps=4, split_k=3)
+  assert launch.split_from(every, 40) == 0 and launch.work_units(every, 40) == 120
+  assert launch.split_from(KernelConfig(), 40) == 40 and launch.work_units(KernelConfig(), 40) == 40
+  # the split counters bound the tiles split, not the tiles of the call
+  assert select.split_k_unsupported(cfg, 10_000, 4096) is None
+  assert select.split_k_unsupported(KernelConfig(split_k=2, split_tail=65), 192, 4096) == (
+      "split_k=2 takes at most 64 output tiles per call, this shape has 65 to split")
+  with pytest.raises(ValueError, match="split_tail=60 needs split_k > 1"):
+    KernelConfig(split_tail=60)
+  with pytest.raises(ValueError, match="split_tail=-1 must be an int >= 0"):
+    KernelConfig(split_k=2, split_tail=-1)
+  with pytest.raises(ValueError, match="split_k=2 needs engine='tl'"):
+    KernelConfig(split_k=2, split_tail=60, engine="gluon")
+
+
 def test_fp8_is_measured_on_the_first_call_like_16_bit_matmuls():
   """fp8 matmuls have no shipped verdicts: by default their first call times the unfused
   program against fp8 candidates (K tiles of 128, both engines); forced, the kernel runs."""

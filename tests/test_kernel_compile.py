@@ -356,7 +356,7 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("entry", list_configs(),
                          ids=lambda e: f"{e[0]}-{e[1].engine}-{e[1].block_m}x{e[1].block_n}"
-                                       f"-k{e[1].split_k}-w{e[2]}-{'x'.join(map(str, e[3]))}")
+                                       f"-k{e[1].split_k}-t{e[1].split_tail}-w{e[2]}-{'x'.join(map(str, e[3]))}")
 def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatch, tmp_path,
                                                                       entry):
   """Every config an entry of the benchmark's shape list selects beyond the tuner's own

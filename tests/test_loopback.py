@@ -437,6 +437,7 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   assert list(rs) == ["tl-c2", "tl-c4"]
   assert cli.variant_name({"engine": "tl", "block_m": 64, "block_n": 256, "split_k": 3}) == (
       "tl-64x256-k3")
+  assert cli.variant_name(KernelConfig(split_k=2, split_tail=60)) == "tl-k2-t60"
 
 
 def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():

@@ -50,9 +50,23 @@ def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas:
               TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
 
 
+def split_from(kernel: KernelConfig, tiles: int) -> int:
+  """The first split tile of a launch of `tiles` output tiles (kernels/split_k.py SPLIT_FROM):
+  `tiles` without split-K, 0 where every tile is split, else tiles - split_tail."""
+  if kernel.split_k == 1:
+    return tiles
+  return max(tiles - kernel.split_tail, 0) if kernel.split_tail else 0
+
+
+def work_units(kernel: KernelConfig, tiles: int) -> int:
+  """The work units of a launch of `tiles` output tiles: a whole tile or a part of a split one."""
+  first = split_from(kernel, tiles)
+  return first + (tiles - first) * kernel.split_k
+
+
 def partials_type(kernel: KernelConfig, tiles: int, k: int, what: str):
   """The split-K partial tiles (kernels/split_k.py) of a launch of `tiles` output tiles with
-  K = k: fp32 [tiles * split_k * block_m * block_n], or a 4-element placeholder without
+  K = k: fp32 [split tiles * split_k * block_m * block_n], or a 4-element placeholder without
   split-K.  Raises ValueError (naming the launcher `what`) where split-K cannot run."""
   import jax
   import numpy as np
@@ -61,7 +75,8 @@ def partials_type(kernel: KernelConfig, tiles: int, k: int, what: str):
     raise ValueError(f"{what}: {why}")
   if kernel.split_k == 1:
     return jax.ShapeDtypeStruct((4,), np.float32)
-  return jax.ShapeDtypeStruct((tiles * kernel.split_k * kernel.block_m * kernel.block_n,),
+  split = tiles - split_from(kernel, tiles)
+  return jax.ShapeDtypeStruct((split * kernel.split_k * kernel.block_m * kernel.block_n,),
                               np.float32)
 
 
@@ -76,7 +91,7 @@ def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
     num_ctas = min(num_sms, world * tm * tn)
     return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  return tm, tn, num_comm, min(num_sms, num_comm + world * tm * tn * kernel.split_k)
+  return tm, tn, num_comm, min(num_sms, num_comm + work_units(kernel, world * tm * tn))
 
 
 def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
@@ -84,7 +99,7 @@ def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   split-K: a work unit per part of a tile)."""
   m_out = m // world
   tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
-  return m_out, tm, tn, min(num_sms, world * tm * tn * kernel.split_k)
+  return m_out, tm, tn, min(num_sms, work_units(kernel, world * tm * tn))
 
 
 def b_cols(a, b) -> int:

@@ -19,7 +19,7 @@ from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
-                                             partials_type, rs_grid, with_scale)
+                                             partials_type, rs_grid, split_from, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -88,6 +88,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
+      SPLIT_FROM=split_from(kernel, world * tm * tn),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, gathered) if return_gathered else out
 
@@ -163,7 +164,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M=m, K=k, N=n, SPLIT_K=kernel.split_k,
+      M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, world * tm * tn),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return out
 

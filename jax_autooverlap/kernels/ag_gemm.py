@@ -13,8 +13,8 @@ Roles (grid <= number of SMs, one CTA per program):
   rank-2, ... (the order in which peers push to us), each tile waiting
   (acquire, bounded) only for the chunk holding its rows.  The GEMM main
   loop reads A and B through TMA tensor descriptors.
-- With SPLIT_K > 1 the counter hands out parts of tiles (kernels/split_k.py):
-  the part that finishes a tile's sum last stores it.
+- With SPLIT_K > 1 the counter hands out parts of tiles (kernels/split_k.py; of
+  the tiles from SPLIT_FROM on): the part that finishes a tile's sum last stores it.
 - The last CTA to finish zeroes this call's counters and advances the epoch
   (see runtime/workspace.py for why parity double-buffering is safe).
 No CTA ever waits for another CTA of its own GPU, so the kernel cannot
@@ -57,7 +57,7 @@ def ag_gemm_kernel(
     COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
     PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
     RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
@@ -130,8 +130,9 @@ def ag_gemm_kernel(
   PER_SRC: tl.constexpr = TM * TN
   GROUP: tl.constexpr = GROUP_M * TN
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  while u < WORLD * PER_SRC * SPLIT_K:
-    t = u // SPLIT_K  # the tile; part u % SPLIT_K of its k-blocks
+  WORK: tl.constexpr = SPLIT_FROM + (WORLD * PER_SRC - SPLIT_FROM) * SPLIT_K
+  while u < WORK:
+    t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
     src = (rank + WORLD - t // PER_SRC) % WORLD
     l = t % PER_SRC
     first_m = (l // GROUP) * GROUP_M
@@ -146,9 +147,9 @@ def ag_gemm_kernel(
                     err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
       a_desc = bufs_desc
       row0 += src * M_SHARD
-    acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, u % SPLIT_K, scale,
-                                  partials_ptr, my_flags + rank * MAX_CHUNKS, K, BLOCK_M,
-                                  BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+    acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                  partials_ptr, my_flags + rank * MAX_CHUNKS, SPLIT_FROM, K,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     if last:  # else another part of this tile stores it
       o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
                    acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))

@@ -13,7 +13,7 @@ peer, reads the partials with TMA and sums them in a fixed order (its own
 partial first, then the peers' in rank order, as the Gluon kernel), so results
 are bit-identical run to run whatever the arrival order.  No CTA waits for a
 CTA of its own GPU.  With SPLIT_K > 1 the counter hands out parts of tiles
-(kernels/split_k.py): the part that finishes a tile's sum last pushes it or,
+(kernels/split_k.py; of the tiles from SPLIT_FROM on): the part that finishes a tile's sum last pushes it or,
 for own rows, sums it with the peers'.
 
 The release of a pushed tile is deferred until the CTA has run the main
@@ -67,6 +67,7 @@ def gemm_rs_kernel(
     BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     FLAG_BLOCK: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_FROM: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
   FP8: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
@@ -106,14 +107,15 @@ def gemm_rs_kernel(
   pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  while u < WORLD * PER_OWNER * SPLIT_K:
-    t = u // SPLIT_K  # the tile; part u % SPLIT_K of its k-blocks
+  WORK: tl.constexpr = SPLIT_FROM + (WORLD * PER_OWNER - SPLIT_FROM) * SPLIT_K
+  while u < WORK:
+    t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
     j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     owner = (rank + 1 + j) % WORLD
     row0 = owner * M_OUT + tm * BLOCK_M
-    acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, u % SPLIT_K, scale,
-                                    partials_ptr, my_flags + rank * MAX_CHUNKS, K, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+    acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                    partials_ptr, my_flags + rank * MAX_CHUNKS, SPLIT_FROM, K,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     if pending != 0:
       signal_add(pending_flag, 1)
       pending = tl.full([], 0, tl.int32)

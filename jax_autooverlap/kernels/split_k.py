@@ -2,13 +2,16 @@
 scale) and their split-K (KernelConfig.split_k = S > 1): where a shape has fewer output tiles
 than SMs, each tile's k-blocks are cut into S parts, each part a work unit of its
 own (units t*S .. t*S + S - 1 of tile t, handed out by the kernel's tile counter), so S times
-as many CTAs work on the GEMM.
+as many CTAs work on the GEMM.  With KernelConfig.split_tail = R > 0 only the last R tiles
+are split (tiles t < SPLIT_FROM = tiles - R are whole units u = t, then each split tile's S
+parts): a short second wave of R tiles, on R SMs while the others idle, runs on R * S CTAs.
 
 Every part stores its fp32 partial tile in the launch's `partials` output (slot [tile, part]),
 then counts itself on the tile's split counter (acq_rel, GPU scope).  The part that counts
 last sums the S partial tiles in part order 0 .. S-1 (a fixed order: bit-identical results
 whichever part comes last) and finishes the tile as the unsplit kernel does (store, push or
-own-rows sum); the others go on to their next unit.  No CTA waits for another CTA of its GPU.
+own-rows sum); the others go on to their next unit.  Partial slots and counters are indexed
+by the split tile's number t - SPLIT_FROM.  No CTA waits for another CTA of its GPU.
 
 The split counters are this call's arrival counters of the GPU's own rank (runtime/workspace.py
 holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row, no kernel
@@ -38,51 +41,69 @@ def dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K: tl.constexpr, FP
 
 
 @triton.jit
-def k_range(part, K: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-  """[lo, hi) of part `part`'s k (elements): the k-blocks split as evenly as whole blocks go,
-  none empty (SPLIT_K <= the k-block count: tuning/select.py split_k_unsupported)."""
+def k_range(part, K: tl.constexpr, BLOCK_K: tl.constexpr, parts):
+  """[lo, hi) of part `part` of `parts`' k (elements): the k-blocks split as evenly as whole
+  blocks go, none empty (parts <= the k-block count: tuning/select.py split_k_unsupported)."""
   KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-  return (part * KB // SPLIT_K) * BLOCK_K, ((part + 1) * KB // SPLIT_K) * BLOCK_K
+  return (part * KB // parts) * BLOCK_K, ((part + 1) * KB // parts) * BLOCK_K
 
 
 @triton.jit
-def combine(acc, tile, part, partials_ptr, counters, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def unit_tile(u, SPLIT_FROM, SPLIT_K: tl.constexpr):
+  """(tile, part) of work unit u: tiles before SPLIT_FROM are one unit each (part 0), the
+  later ones SPLIT_K units each."""
+  if SPLIT_K == 1:
+    return u, 0
+  s = tl.maximum(u - SPLIT_FROM, 0)
+  return tl.where(u < SPLIT_FROM, u, SPLIT_FROM + s // SPLIT_K), tl.where(u < SPLIT_FROM, 0,
+                                                                          s % SPLIT_K)
+
+
+@triton.jit
+def combine(acc, slot, part, partials_ptr, counters, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SPLIT_K: tl.constexpr):
   """(the tile's sum over its parts, True) for the part that counts last; (acc, False) for the
-  others.  partials_ptr: fp32 [tiles, SPLIT_K, BLOCK_M, BLOCK_N]; counters: int32 per tile."""
+  others.  slot: the split tile's number; partials_ptr: fp32 [split tiles, SPLIT_K, BLOCK_M,
+  BLOCK_N]; counters: int32 per split tile.  The sum goes into acc in place (a second fp32
+  tile beside it spills at 128x256: ptxas -v)."""
   rows = tl.arange(0, BLOCK_M)
   cols = tl.arange(0, BLOCK_N)
   offs = rows[:, None] * BLOCK_N + cols[None, :]
-  base = partials_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+  base = partials_ptr + slot.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
   tl.store(base + part * (BLOCK_M * BLOCK_N) + offs, acc)
   tl.debug_barrier()
-  last = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-  total = acc
+  last = tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
   if last:
     tl.debug_barrier()
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in tl.static_range(SPLIT_K):  # part order: deterministic sums
-      total += tl.load(base + r * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-  return total, last
+    acc = tl.load(base + offs, cache_modifier=".cg")
+    for r in tl.static_range(1, SPLIT_K):  # part order: deterministic sums
+      acc += tl.load(base + r * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+  return acc, last
 
 
 @triton.jit
-def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters,
+def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters, SPLIT_FROM,
               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr):
-  """Part `part` of output tile t (all of its k without split-K) at [row0, col0], fp8: times
-  `scale` (each part scaled, so the sum of the parts is the scaled sum).  (the tile's sum,
-  True) where this part completes the tile, (acc, False) where another part will (combine;
-  counters: the split counters, this rank's own row of the arrival counters)."""
+  """Part `part` of output tile t (all of its k where t < SPLIT_FROM or without split-K) at
+  [row0, col0], fp8: times `scale` (each part scaled, so the sum of the parts is the scaled
+  sum).  (the tile's sum, True) where this part completes the tile, (acc, False) where another
+  part will (combine; counters: the split counters, this rank's own row of the arrival
+  counters)."""
   acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
   if SPLIT_K == 1:
-    k_lo, k_hi = 0, K
-  else:
-    k_lo, k_hi = k_range(part, K, BLOCK_K, SPLIT_K)
+    acc = dot_k(acc, a_desc, b_desc, row0, col0, 0, K, BLOCK_K, FP8)
+    if FP8:
+      acc = acc * scale
+    return acc, True
+  split = t >= SPLIT_FROM
+  # a whole tile is its only part of one: k-blocks [0, KB) (a ragged last block reads zeros)
+  k_lo, k_hi = k_range(tl.where(split, part, 0), K, BLOCK_K, tl.where(split, SPLIT_K, 1))
   acc = dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K, FP8)
   if FP8:
     acc = acc * scale
-  last = True
-  if SPLIT_K > 1:
-    acc, last = combine(acc, t, part, partials_ptr, counters, BLOCK_M, BLOCK_N, SPLIT_K)
+  last = t < SPLIT_FROM
+  if split:
+    acc, last = combine(acc, t - SPLIT_FROM, part, partials_ptr, counters, BLOCK_M, BLOCK_N,
+                        SPLIT_K)
   return acc, last

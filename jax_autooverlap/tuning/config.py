@@ -56,11 +56,19 @@ class KernelConfig:
   # (kernels/split_k.py).  For shapes with fewer tiles than SMs; at most
   # runtime.workspace.MAX_CHUNKS tiles per call (tuning/select.py split_k_unsupported).
   split_k: int = 1
+  # With split_k > 1: split only the call's last split_tail tiles (0: every tile), for shapes
+  # whose last wave of tiles would leave most SMs idle (tuning/select.py tail_split_config).
+  split_tail: int = 0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name not in ("engine", "wg_partitions"):
+      if f.name not in ("engine", "wg_partitions", "split_tail"):
         _positive_int("KernelConfig", f.name, getattr(self, f.name))
+    tail = self.split_tail
+    if not isinstance(tail, int) or isinstance(tail, bool) or tail < 0:
+      raise ValueError(f"KernelConfig: split_tail={tail!r} must be an int >= 0")
+    if tail and self.split_k == 1:
+      raise ValueError(f"KernelConfig: split_tail={tail} needs split_k > 1")
     if not isinstance(self.wg_partitions, bool):
       raise ValueError(f"KernelConfig: wg_partitions={self.wg_partitions!r} must be a bool")
     if self.wg_partitions and (self.engine != "gluon" or self.block_m != 128):

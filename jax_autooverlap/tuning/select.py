@@ -70,6 +70,10 @@ LISTED_WORLDS = (2, 4, 8)
 SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
+# AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
+# than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
+# in two, where K >= TAIL_MIN_K (tail_split_config).
+TAIL_MIN_K = 8192
 NUM_SMS = 132  # H100 / H200: where a caller knows no SM count (tests/ptx_dump.py's list)
 
 
@@ -138,12 +142,32 @@ def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
   workspace, and every part needs a k-block."""
   if cfg.split_k == 1:
     return None
-  if tiles > cost_model.MAX_CHUNKS:
+  split = min(cfg.split_tail, tiles) if cfg.split_tail else tiles
+  if split > cost_model.MAX_CHUNKS:
     return (f"split_k={cfg.split_k} takes at most {cost_model.MAX_CHUNKS} output tiles per "
-            f"call, this shape has {tiles}")
+            f"call, this shape has {split}" + (" to split" if cfg.split_tail else ""))
   if cfg.split_k > math.ceil(k / cfg.block_k):
     return f"split_k={cfg.split_k} exceeds the {math.ceil(k / cfg.block_k)} k-blocks of K={k}"
   return None
+
+
+def tail_split_config(op: str, world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
+                      num_sms: int = NUM_SMS) -> KernelConfig | None:
+  """`base` (tl, AG) with the tiles beyond its first wave split in two, or None where that
+  cannot pay.  The tl AG's compute CTAs (num_sms - movers) take the first tiles at once, the
+  movers join after pushing; with up to MAX_CHUNKS tiles (the split counters) left for a
+  second wave, that wave runs on as many CTAs as are free, not one per tile: in halves.  E.g.
+  Llama-3-70B Q/K/V at TP = 8, 4k tokens, 160 tiles, 32 movers: 60 split, 1.36 x cuBLAS in
+  place of 1.61 (loopback, one H200).  Each split tile's halves pass through memory as fp32
+  partials, ~10 us per tile measured, so only K >= TAIL_MIN_K (a half tile of ~40 us or
+  more: at K = 4096 the split lost, 1.65 x against 1.40), and two parts (four: 1.48 x)."""
+  if op != "ag" or base.engine != "tl" or base.split_k != 1 or k < TAIL_MIN_K:
+    return None
+  tiles = fused_tiles(world, shard_rows, n, base)
+  tail = tiles - (num_sms - min(base.num_comm, num_sms // 2))  # launch.ag_grid's movers
+  if not 0 < tail <= cost_model.MAX_CHUNKS:
+    return None
+  return dataclasses.replace(base, split_k=2, split_tail=tail)
 
 
 def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
@@ -159,9 +183,11 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
                         engines=("tl", "gluon")) -> list[KernelConfig]:
   """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
   waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
-  K = k): per engine, the SMALL_TILES (_small_tile_warps), and on `tl` split-K over the
-  smallest tile whose tiles fit its counters.  Chunks and movers stay the base's (a shard of one row tile is one chunk).
-  Only configs that run the shape; none for 32-bit dtypes (no small-tile measurements)."""
+  K = k): per engine, the SMALL_TILES (_small_tile_warps), on `tl` split-K over the smallest
+  tile whose tiles fit its counters, and the base with its second wave split where that wave
+  is short (tail_split_config).  Chunks and movers stay the base's (a shard of one row tile
+  is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
+  measurements)."""
   if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
     return []
   fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c, op) is None
@@ -191,7 +217,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
       if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
         out.append(cfg)
         break
-  return out
+  tail = tail_split_config(op, world, shard_rows, k, n, base, num_sms) if "tl" in engines else None
+  return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
 
 
 def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[KernelConfig]:
