@@ -486,7 +486,8 @@ def test_a_mixed_format_fp8_matmul_is_measured_in_both_its_formats(gpu_planned, 
                                                                    tmp_path, capsys):
   """The backward's e5m2 cotangent times e4m3 weights: the first call times and checks the
   candidates on operands in those two formats (the kernel that then runs), not both in the
-  first operand's; the verdict is keyed by the first operand's format."""
+  first operand's; the verdict is keyed by both formats (an e5m2 x e5m2 call of the same sizes
+  is measured on its own), and explain finds it."""
   monkeypatch.setattr(autotune, "ROUNDS", 3)
   monkeypatch.setattr(autotune, "ROUND_MS", 1.0)
   e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -511,8 +512,13 @@ def test_a_mixed_format_fp8_matmul_is_measured_in_both_its_formats(gpu_planned, 
   assert [a.dtype for a in case.args(0)] == [np.dtype(e5), np.dtype(e4)]
   assert "timing ag 256x256x256 float8_e5m2 x float8_e4m3fn on 2 GPUs" in capsys.readouterr().err
   (key, entry), = json.loads((tmp_path / "tuning-ag.json").read_text()).items()
-  assert key.endswith("float8_e5m2") and entry["source"] == "first_call"
+  assert key.endswith("|float8_e5m2xfloat8_e4m3fn") and entry["source"] == "first_call"
   assert not entry.get("failed")  # every candidate passed its check on the mixed operands
+  (row,) = ao.explain(f, x, w)  # the measured verdict (fused or not: CPU timings)
+  assert "autotuned" in row.impl and row.code != "first_call", str(row)
+  assert select.cache_key("ag", "k", 2, 256, 256, 256, e5) != key  # e5m2 x e5m2: its own
+  assert select.cache_key("ag", "k", 2, 256, 256, 256, e5, e5) == select.cache_key(
+      "ag", "k", 2, 256, 256, 256, e5)
   # the two formats' blocks differ, and the reference is their f32 product
   a, b = (np.asarray(v, np.float32) for v in case.args(1))
   for d in mesh.devices.flat:

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_autooverlap import fp8
 from jax_autooverlap.ops import measure, registry
 from jax_autooverlap.ops.dims import DotDims
 from jax_autooverlap.ops.ring import RingParams
@@ -61,8 +62,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
   (collective over the mesh's processes: the same answer in every process).
   `may_time` (the ops' trace, never ao.explain's) lets a shape without a
   measured verdict be measured now; otherwise its reason says "first_call".  `b_dtype`: the
-  second operand's format where it differs from `dtype` (two fp8 formats; the measurement
-  makes each operand in its own).
+  second operand's format where it differs from `dtype` (two fp8 formats: the measurement
+  makes each operand in its own, and the pairing has its own verdict).
   """
   if config.impl in ("reference", "unfused"):
     return config.impl, None, Reason("forced", f"{config.impl} (forced by OverlapConfig)")
@@ -87,7 +88,8 @@ def plan(op: str, config: OverlapConfig, axis_size: int, canonical, dtype, out_d
     first = np.asarray(mesh.devices).flat[0]
     choose = select.choose_ag if op == "ag_rows" else select.choose_rs
     verdict = choose(config, first.device_kind, axis_size, rows, k, cols, dtype, out_dtype,
-                     compute_capability=_compute_capability(mesh), props=_props(first))
+                     compute_capability=_compute_capability(mesh), props=_props(first),
+                     b_dtype=b_dtype)
     why = verdict.reason
     if verdict.kernel is not None or verdict.source == "first_call":
       support = workspace.REGISTRY.support(mesh, axis_name, workspace.kernel_bytes(
@@ -184,9 +186,12 @@ def dual_params(op, a3, b3, cp: CoreParams, out_dtype, return_gathered=False) ->
 
 
 def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_size: int,
-             dtype, out_dtype, config: OverlapConfig, mesh, axis_name=None) -> Reason:
+             dtype, out_dtype, config: OverlapConfig, mesh, axis_name=None,
+             dtypes=None) -> Reason:
   """What `plan` will choose for a match of the rewrite (dot shapes as in the program); a
-  forced implementation that cannot run here gives an "impl_unavailable" reason."""
+  forced implementation that cannot run here gives an "impl_unavailable" reason.  dtypes: the
+  (lhs, rhs) formats where they are two fp8 formats, planned as the call will be (the
+  canonical a's first, core_params)."""
   dims = DotDims(dn, len(lhs_shape), len(rhs_shape))
   shapes = [list(lhs_shape), list(rhs_shape)]
   (ab, ac, af), (ob, oc, of) = dims.side(operand)
@@ -200,7 +205,12 @@ def describe(kind: str, lhs_shape, rhs_shape, operand: int, dim: int, dn, axis_s
   canonical = (size(mine, ab), size(mine, af), size(mine, ac), size(other, of))
   if op == "ag_k":
     canonical = (size(mine, ab), size(other, of), size(other, oc), size(mine, af))
+  b_dtype = None
+  if dtypes is not None and dtypes[0] != dtypes[1] and all(map(fp8.is_fp8, dtypes)):
+    a = operand if op != "ag_k" else 1 - operand  # the canonical a: the gathered rows' side
+    dtype, b_dtype = dtypes[a], dtypes[1 - a]
   try:
-    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, axis_name=axis_name)[2]
+    return plan(op, config, axis_size, canonical, dtype, out_dtype, mesh, axis_name=axis_name,
+                b_dtype=b_dtype)[2]
   except ValueError as e:
     return Reason("impl_unavailable", str(e))

@@ -176,16 +176,18 @@ class ShardMapMatcher:
     self._matched[id(jaxpr)] = (matches, changed)
     return changed
 
-  def _status(self, ctx, kind, axis_name, lhs_shape, rhs_shape, operand, dim, dn, n, dtype,
+  def _status(self, ctx, kind, axis_name, lhs_shape, rhs_shape, operand, dim, dn, n, dtypes,
               out_dtype):
-    """(status, impl note, skip reason) of a match that can be rewritten."""
+    """(status, impl note, skip reason) of a match that can be rewritten; dtypes: the (lhs,
+    rhs) operands' formats."""
     if ctx.config.impl == "triton" and ctx.mesh is not None:
       platform = context.platform(ctx.mesh)
       if platform != "gpu":
         return SKIPPED, None, Reason("impl_unavailable", "OverlapConfig(impl='triton') needs "
                                      f"NVIDIA GPUs; this mesh is on {platform}")
-    note = describe(kind, lhs_shape, rhs_shape, operand, dim, dn, n or 1, dtype, out_dtype,
-                    ctx.config, ctx.mesh, axis_name)
+    note = describe(kind, lhs_shape, rhs_shape, operand, dim, dn, n or 1,
+                    operand_dtype(*dtypes), out_dtype, ctx.config, ctx.mesh, axis_name,
+                    dtypes=tuple(dtypes))
     if note.code == "impl_unavailable":  # a forced implementation that cannot run here
       return SKIPPED, None, note
     return status_of(note), note, ""
@@ -498,7 +500,7 @@ class ShardMapMatcher:
         notes[c.gi].insert(0, c.fp8.note)
       status, impl, reason = self._status(
           ctx, "ag_matmul", c.base["axis_name"], lhs, rhs, operand, c.dim,
-          deqn.params["dimension_numbers"], c.base["axis_size"], operand_dtype(*dtypes),
+          deqn.params["dimension_numbers"], c.base["axis_size"], dtypes,
           deqn.outvars[0].aval.dtype)
       fields = dict(c.base, operand=("lhs", "rhs")[operand], dim_kind=kind, lhs_shape=lhs,
                     rhs_shape=rhs, out_shape=_shape(deqn.outvars[0]),
@@ -704,8 +706,7 @@ class ShardMapMatcher:
     out = deqn.outvars[0].aval.dtype
     status, impl, reason = self._status(
         ctx, "matmul_rs", c.base["axis_name"], c.base["lhs_shape"], c.base["rhs_shape"],
-        c.op_idx, c.op_dim, c.dn, c.base["axis_size"],
-        operand_dtype(lhs.aval.dtype, rhs.aval.dtype), out)
+        c.op_idx, c.op_dim, c.dn, c.base["axis_size"], (lhs.aval.dtype, rhs.aval.dtype), out)
     note = (f"fp8: one fp8 GEMM, the per-tensor scales in its epilogue; the partial products "
             f"are summed in {formats.name(out)} (the matmul's result dtype), never in fp8"
             if c.fp8 else "")

@@ -88,8 +88,14 @@ class Verdict:
   predicted: tuple | None = None  # (fused ms of the model's best config, unfused ms)
 
 
-def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dtype) -> str:
-  return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{np.dtype(dtype).name}"
+def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dtype,
+              b_dtype=None) -> str:
+  """The tuning cache's key of a call; b_dtype: the second operand's format where it differs
+  (two fp8 formats: "float8_e5m2xfloat8_e4m3fn"), so each pairing keeps its own verdict."""
+  name = np.dtype(dtype).name
+  if b_dtype is not None and np.dtype(b_dtype) != np.dtype(dtype):
+    name += f"x{np.dtype(b_dtype).name}"
+  return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{name}"
 
 
 def default_kernel(dtype) -> KernelConfig:
@@ -409,21 +415,24 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
 
 
 def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: int, n: int,
-              dtype, out_dtype, *, compute_capability=None, props=None) -> Verdict:
+              dtype, out_dtype, *, compute_capability=None, props=None,
+              b_dtype=None) -> Verdict:
   """Kernel config for psum_scatter(a @ b, rows) with per-device a[m, k], b[k, n].
 
   compute_capability: the GPUs' ("9.0"), for the engines the first call may time; props: the
-  device's properties as read (model.DeviceProps), for a model derived for its kind."""
-  key = cache_key("rs", device_kind, world, m, k * world, n, dtype)
+  device's properties as read (model.DeviceProps), for a model derived for its kind; b_dtype:
+  b's format where it differs from a's (cache_key)."""
+  key = cache_key("rs", device_kind, world, m, k * world, n, dtype, b_dtype)
   why_not = f"M={m} is not divisible by the axis size {world}" if m % world else None
   return _choose("rs", config, device_kind, world, key, (m, k, n), m // world, dtype, out_dtype,
                  why_not, compute_capability, props)
 
 
 def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int, k: int, n: int,
-              dtype, out_dtype, *, compute_capability=None, props=None) -> Verdict:
+              dtype, out_dtype, *, compute_capability=None, props=None,
+              b_dtype=None) -> Verdict:
   """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]
   (keywords as choose_rs)."""
-  key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype)
+  key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype, b_dtype)
   return _choose("ag", config, device_kind, world, key, (m_shard, k, n), m_shard, dtype,
                  out_dtype, None, compute_capability, props)

@@ -146,7 +146,7 @@ class _Matcher:
     lhs, rhs = (v.source for v in views) if views else deqn.invars
     impl = describe(kind, shapes[0], shapes[1], operand, dim, deqn.params["dimension_numbers"],
                     n, operand_dtype(lhs.aval.dtype, rhs.aval.dtype), deqn.outvars[0].aval.dtype,
-                    self.config, self._cmesh_for(mesh))
+                    self.config, self._cmesh_for(mesh), dtypes=(lhs.aval.dtype, rhs.aval.dtype))
     if not views:
       return impl
     what = ("the fp8 sources are gathered" if kind == "ag_matmul" else
