@@ -138,13 +138,14 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert 300 < link_gbps < 478  # between NCCL's and NVLink's peak (shared/DESIGN.md)
   floor = 7 * 1024 * 4096 * 2 / (link_gbps * 1e9) / 0.1e-3
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
-                     "1.080", "gluon-128x128-m64", "1.040", "1.300", f"{floor:.2f}", "1.10", "yes")
+                     "1.080", "gluon-128x128-m64", "1.040", "1.300", f"{floor:.2f}", "1.10", "yes",
+                     "-")
   # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan; 16-row shards
   # move in less time than the GEMM: the floor is the GEMM
   assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
-                         "nan", "1.00", "1.25", "yes")
+                         "nan", "1.00", "1.25", "yes", "-")
   assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
-                     "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-")
+                     "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-", "-")
   # RS: the peers' partials of this GPU's rows (bf16 for fp8 operands too); a kind without a
   # cost model has no floor
   rs = dict(base, op="rs", k=1024 * 8, n=8192, dtype="float8_e4m3fn")
@@ -154,8 +155,21 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert table.splitlines()[-1] == "target met on 2 of 2 measured entries"
   assert "ours/cuBLAS" in table.splitlines()[1]
   records[3]["median_ms"] = 0.111
-  assert shapes.table_rows(records)[0][-1] == "no"
+  assert shapes.table_rows(records)[0][-2:] == ("no", "link")  # the floor is 1.53 x
+  assert shapes.format_table(records).splitlines()[-1] == (
+      "target met on 1 of 2 measured entries; bound by link: 1")
   assert shapes.target(0.020) == 1.10 and shapes.target(0.0199) == 1.25
+
+
+def test_a_missed_target_is_put_on_the_link_the_engine_or_the_fused_kernel():
+  """From the measured ratios to cuBLAS: the node's overlap floor above the target, else the
+  Gluon engine alone above it, else what the fused kernel adds."""
+  assert shapes.bound_by(1.05, 1.02, 1.0, 1.10) == "-"
+  assert shapes.bound_by(1.30, 1.02, 1.47, 1.10) == "link"
+  assert shapes.bound_by(1.37, 1.33, 1.00, 1.10) == "engine"
+  assert shapes.bound_by(1.24, 1.05, 1.03, 1.10) == "fused"
+  assert shapes.bound_by(1.24, float("nan"), 1.03, 1.10) == "?"
+  assert shapes.bound_by(float("nan"), 1.0, 1.0, 1.10) == "-"
 
 
 def test_parse_args():

@@ -25,7 +25,9 @@ interleaved with cuBLAS, the Gluon engine alone and the `tl` engine); the table 
 entry ours / cuBLAS, the engine alone / cuBLAS, tl / cuBLAS and the overlap floor on a node /
 cuBLAS (max(local GEMM, the bytes from the w - 1 peers at the cost model's copy-engine rate):
 where it exceeds the target, the link, not the kernel, is what a node would be bound by) against
-the target (issue 27: ours / cuBLAS <= 1.10 where the local GEMM takes >= 20 us, <= 1.25 below).  Records:
+the target (issue 27: ours / cuBLAS <= 1.10 where the local GEMM takes >= 20 us, <= 1.25 below)
+and, where it is missed, what bounds the entry (bound_by: the link, the engine or the fused
+kernel).  Records:
 `*-shapes-loopback.json` (bench/records/README.md's loopback fields, plus the entry's
 `model`, `projection`, `tokens`, `also`; an entry no kernel can run has impl `unsupported`
 and its `reason`), `*-shapes-engine-alone.json`, the table as `.txt`.
@@ -33,6 +35,7 @@ and its `reason`), `*-shapes-engine-alone.json`, the table as `.txt`.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -109,7 +112,22 @@ def target(gemm_ms: float) -> float:
 
 
 HEAD = ("model", "proj", "op", "w", "global MxKxN", "local GEMM", "cuBLAS ms", "ours/cuBLAS",
-        "ours kernel", "engine/cuBLAS", "tl/cuBLAS", "floor/cuBLAS", "target", "met")
+        "ours kernel", "engine/cuBLAS", "tl/cuBLAS", "floor/cuBLAS", "target", "met", "bound by")
+
+
+def bound_by(ours: float, engine: float, floor: float, goal: float) -> str:
+  """What keeps an entry over its target, from its measured ratios to cuBLAS: "link" where the
+  overlap floor on a node exceeds it (no kernel gets under it there), "engine" where the Gluon
+  engine's GEMM alone, without communication, exceeds it (tiles, waves, small M), else
+  "fused" (what the fused kernel adds: waits, pushes, the partials' sum); "-" where the target
+  is met, "?" where the engine was not measured."""
+  if math.isnan(ours) or ours <= goal:
+    return "-"
+  if floor > goal:
+    return "link"
+  if math.isnan(engine):
+    return "?"
+  return "engine" if engine > goal else "fused"
 
 
 def link_floor_ms(record: dict, gemm_ms: float) -> float:
@@ -142,7 +160,7 @@ def table_rows(records: list[dict]) -> list[tuple]:
     shape = f"{m}x{k}x{n}"
     if "unsupported" in impls:
       rows.append((model, proj, op, w, shape, "-", "-", "-", impls["unsupported"]["reason"], "-",
-                   "-", "-", "-", "-"))
+                   "-", "-", "-", "-", "-"))
       continue
     gemm = impls.get("gemm_alone", {}).get("median_ms", nan)
     ratio = lambda impl: impls[impl]["median_ms"] / gemm if impl in impls else nan
@@ -154,7 +172,7 @@ def table_rows(records: list[dict]) -> list[tuple]:
     rows.append((model, proj, op, w, shape, local, f"{gemm:.4f}", f"{ours:.3f}",
                  kernel_name(op, impls["ours"]) if "ours" in impls else "-",
                  f"{ratio('engine_alone'):.3f}", f"{ratio('ours_tl'):.3f}", f"{floor:.2f}",
-                 f"{goal:.2f}", met))
+                 f"{goal:.2f}", met, bound_by(ours, ratio("engine_alone"), floor, goal)))
   return rows
 
 
@@ -195,9 +213,11 @@ def format_table(records: list[dict]) -> str:
            "ratios to cuBLAS on the same local GEMM; floor: the overlap floor on a node, "
            "max(local GEMM, bytes from the peers at the copy-engine rate)"]
   lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows]
-  done = [r for r in table_rows(records) if r[-1] in ("yes", "no")]
-  lines.append(f"target met on {sum(r[-1] == 'yes' for r in done)} of {len(done)} measured "
-               f"entries")
+  done = [r for r in table_rows(records) if r[-2] in ("yes", "no")]
+  bounds = collections.Counter(r[-1] for r in done if r[-2] == "no")
+  lines.append(f"target met on {sum(r[-2] == 'yes' for r in done)} of {len(done)} measured "
+               f"entries" + "".join(f"; bound by {b}: {bounds[b]}"
+                                    for b in ("link", "engine", "fused", "?") if bounds[b]))
   return "\n".join(lines)
 
 
