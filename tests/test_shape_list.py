@@ -3,6 +3,7 @@ host side, on CPU: the list's arithmetic from the published model dimensions, th
 GEMMs, the filters and the table."""
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -219,3 +220,39 @@ def test_records_of_several_runs_merge_in_list_order_the_later_run_winning(tmp_p
   assert out.splitlines() == ["llama3-8b qkv ag 16384x4096x6144 w8  local 16384x4096x768  "
                               "(16384 tokens)", "1 entries"]
   assert "2 of 3 selected entries already measured" in err
+
+
+def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, monkeypatch,
+                                                                     capsys):
+  """The notebook's shape-list cell says when there are no runs, else reads every run under
+  bench/results/*/shapes-*/ (a later run's entry replacing an earlier one's), prints the counts
+  by what bounds the entries and draws one bar per measured entry, coloured by it."""
+  import sys
+  import unittest.mock
+  nb = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "explore.ipynb").read_text())
+  cell = next("".join(c["source"]) for c in nb["cells"]
+              if c["cell_type"] == "code" and "shapes.read_records" in "".join(c["source"]))
+  monkeypatch.chdir(tmp_path)
+  exec(cell, {})
+  assert "no shape-list results yet" in capsys.readouterr().out
+  base = dict(model="llama3-8b", projection="qkv", op="ag", m=8192, k=4096, n=6144, world_size=8,
+              local_gemm=[8192, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16")
+  small = dict(base, m=128, local_gemm=[128, 4096, 768])
+  first = [dict(base, impl="gemm_alone", median_ms=0.1), dict(base, impl="ours", median_ms=0.2),
+           dict(small, impl="gemm_alone", median_ms=0.01), dict(small, impl="ours", median_ms=0.02)]
+  later = [dict(small, impl="gemm_alone", median_ms=0.01), dict(small, impl="ours", median_ms=0.012)]
+  for name, records in (("round-a/shapes-x", first), ("round-b/shapes-y", later)):
+    run = tmp_path / "bench" / "results" / name
+    run.mkdir(parents=True)
+    (run / "GPU-shapes-loopback.json").write_text(json.dumps(records))
+  plt, ax = unittest.mock.MagicMock(), unittest.mock.MagicMock()
+  plt.subplots.return_value = (unittest.mock.MagicMock(), ax)
+  monkeypatch.setitem(sys.modules, "matplotlib", unittest.mock.MagicMock(pyplot=plt))
+  monkeypatch.setitem(sys.modules, "matplotlib.pyplot", plt)
+  exec(cell, {})
+  # 8192 rows: 2.0 x, the node's floor 1.53 x over the 1.10 target; 128 rows: the later run's
+  # 1.2 x, within 1.25
+  assert "2 entries: bound by link 1, met 1" in capsys.readouterr().out
+  (ys, ratios), kw = ax.barh.call_args
+  assert list(ratios) == [2.0, 1.2] and kw["color"] == ["tab:gray", "tab:green"]
+  assert plt.show.called
