@@ -157,6 +157,16 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert "ours/cuBLAS" in table.splitlines()[1]
   records[3]["median_ms"] = 0.111
   assert shapes.table_rows(records)[0][-2:] == ("no", "link")  # the floor is 1.53 x
+  # the engine with its best tiles decides between engine and fused; its column shows the
+  # fastest Gluon variant's tiles
+  small_rows = [dict(small, impl="gemm_alone", median_ms=0.01),
+                dict(small, impl="ours", median_ms=0.02, kernel={"engine": "gluon"}),
+                dict(small, impl="engine_alone", median_ms=0.013,
+                     tiles_ms={"64x256": 0.013, "64x128": 0.012})]
+  assert shapes.table_rows(small_rows)[0][9] == "1.300"
+  assert shapes.table_rows(small_rows)[0][-1] == "fused"  # 64x128 alone: 1.2 x
+  small_rows[2]["tiles_ms"]["64x128"] = 0.0126
+  assert shapes.table_rows(small_rows)[0][-1] == "engine"
   assert shapes.format_table(records).splitlines()[-1] == (
       "target met on 1 of 2 measured entries; bound by link: 1")
   assert shapes.target(0.020) == 1.10 and shapes.target(0.0199) == 1.25

@@ -144,7 +144,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
                first_call: bool = False) -> list[dict]:
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
   its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
-  engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant)."""
+  engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant; its
+  `tiles_ms`: the engine alone with each Gluon variant's tiles)."""
   import jax
   from jax_autooverlap.runtime import cuda
   t0 = time.monotonic()
@@ -196,7 +197,9 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   tiles = (variants[gluon].block_m, variants[gluon].block_n) if gluon else None
   if engine_tiles.get(tiles) in timed:
     records.append(("engine_alone", timed[engine_tiles[tiles]],
-                    {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}"}))
+                    {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}", "tiles_ms": {
+                        f"{t[0]}x{t[1]}": round(timed[name][0], 4)
+                        for t, name in engine_tiles.items() if name in timed}}))
   if fused is not None:
     records.append(("ours", timed[fused], {**described(fused), "variants_ms": {
         e: round(timed[e][0], 4) for e in variants if e in timed}}))
