@@ -1,7 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
     TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
-        [M K N [SPARE]]
+        [M K N [SPARE [SPLIT_TAIL]]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -10,7 +10,8 @@ the peers' workspaces back to back, the address table) in host memory, the set-u
 arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), twice (both
 parity slots); its output and its push into each peer's workspace are compared with the
 unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
-workspace: parity slot 1 further away).  The interpreter runs the CTAs one after another, so
+workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
+(KernelConfig.split_tail).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -87,8 +88,9 @@ def _buffer(nbytes, align=4096):
   return raw[start:start + nbytes]
 
 
-def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, num_sms=16):
-  from jax_autooverlap.backends.launch import ag_grid, kernel_constants, rs_grid
+def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, num_sms=16):
+  from jax_autooverlap.backends.launch import (ag_grid, kernel_constants, partials_type, rs_grid,
+                                               split_from)
   from jax_autooverlap.bench.loopback import fixture
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
@@ -98,7 +100,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, num_sms=16):
   from jax_autooverlap.tuning.config import KernelConfig
   case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare)
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
-                     num_comm=2, split_k=split_k)
+                     num_comm=2, split_k=split_k, split_tail=split_tail)
   rng = np.random.default_rng(world * 100 + split_k)
   a = rng.standard_normal(case.a_shape).astype(np.float16)
   b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[0])).astype(np.float16)
@@ -121,7 +123,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, num_sms=16):
     raise ValueError(why)
   consts = kernel_constants(cfg, world, tm, num_ctas, 1.0, 0,
                             workspace.parity_bytes(world, fixture.workspace_bytes(case)))
-  partials = np.zeros(max(4, world * tm * tn * split_k * block_m * block_n), np.float32)
+  partials = np.zeros(partials_type(cfg, world * tm * tn, kk, "interpret").shape, np.float32)
+  first_split = split_from(cfg, world * tm * tn)
   scratch = np.zeros(num_ctas * 1024, np.uint8)
   problems = []
   for call in range(2):
@@ -139,11 +142,12 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, num_sms=16):
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
           COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
-          **consts)
+          SPLIT_FROM=first_split, **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(partials),
-          Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, **consts)
+          Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
+          **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
     if err > 1e-2:
       problems.append(f"call {call}: output off by {err:.3g}")
@@ -168,7 +172,8 @@ def main(argv):
   op, world, split_k, block_m, block_n = argv[0], *map(int, argv[1:5])
   m, k, n = map(int, argv[5:8]) if len(argv) > 5 else (256, 512, 384)
   spare = int(argv[8]) if len(argv) > 8 else 0
-  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare)
+  split_tail = int(argv[9]) if len(argv) > 9 else 0
+  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

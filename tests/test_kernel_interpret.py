@@ -1,7 +1,8 @@
 """The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
 as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
-counters zero after each of two calls; with and without split-K (kernels/split_k.py), full and
-ragged tiles, workspaces sized for the call and grown beyond it.  What they compute, not how
+counters zero after each of two calls; with and without split-K (kernels/split_k.py; of every
+tile or of the last ones only), full and ragged tiles, workspaces sized for the call and grown
+beyond it.  What they compute, not how
 CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
@@ -32,11 +33,16 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     # through the buffer area, not right after slot 0
     ("ag", 2, 1, 64, 128, 256, 512, 384, 3 * 4096 + 48),
     ("rs", 4, 2, 64, 64, 256, 512, 384, 100_000),
+    # only the last tiles split (KernelConfig.split_tail): 8 tiles, the last 5 in parts
+    ("ag", 4, 2, 64, 64, 256, 512, 384, 0, 5),
+    ("ag", 8, 3, 64, 64, 512, 512, 512, 0, 9),   # 16 tiles, 9 split in 3, split tiles of 2 sources
+    ("rs", 4, 2, 64, 64, 256, 512, 384, 0, 3),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c)
-                         + (f"-spare{c[8]}" if len(c) > 8 else ""))
+                         + (f"-spare{c[8]}" if len(c) > 8 and c[8] else "")
+                         + (f"-tail{c[9]}" if len(c) > 9 else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,
