@@ -452,3 +452,28 @@ def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():
   assert fixture.piece_offset(case, 1, 1) + piece <= nbytes
   with pytest.raises(ValueError, match="spare=-1"):
     fixture.Case("ag", 64, 128, 96, spare=-1)
+
+
+def test_warm_lowerings_traces_the_programs_concurrently_and_leaves_failures_to_their_calls(
+    monkeypatch):
+  """bench/common.warm_lowerings: every program lowered (traced) in threads at once (three
+  traces meet at a barrier one thread would never pass); one that fails raises nothing here."""
+  import os
+  import threading
+  monkeypatch.setattr(os, "cpu_count", lambda: 8)
+  import jax
+  import jax.numpy as jnp
+  from jax_autooverlap.bench import common
+  met, traced = threading.Barrier(3, timeout=10), []
+
+  def make(i):
+    def body(x):
+      met.wait()
+      traced.append(i)
+      if i == 2:
+        raise RuntimeError("Triton: out of resources")
+      return x * i
+    return jax.jit(body)
+  x = jnp.ones(4)
+  common.warm_lowerings([(make(i), (x,)) for i in range(3)], threads=3)
+  assert sorted(traced) == [0, 1, 2]

@@ -30,6 +30,26 @@ def versions() -> dict:
   return out
 
 
+def warm_lowerings(programs, threads: int = 8) -> None:
+  """Lower every (jit function, args) of `programs`, up to `threads` at once.  Lowering a fused
+  kernel's program compiles the kernel with Triton, mostly outside the GIL, and jax-triton keeps
+  the binary for the calls that follow, which then only re-lower and compile with XLA.  A
+  lowering that fails is left for that call to report (the benchmarks log it there)."""
+  import concurrent.futures
+  import os
+
+  def lower(item):
+    fn, args = item
+    try:
+      fn.lower(*args)
+    except Exception:  # noqa: BLE001 - the program's own call raises it again, and logs it
+      pass
+  programs = list(programs)
+  workers = max(1, min(threads, len(programs), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ao-lower") as pool:
+    list(pool.map(lower, programs))
+
+
 def gpu_name(device=None) -> str:
   """The device kind as records and file names spell it ("NVIDIA-H200"; "cpu" on CPU)."""
   import jax

@@ -153,6 +153,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   log(f"{case.op} {case.label}: operands and workspaces set up in {time.monotonic() - t0:.1f} s")
   num_sms = cuda.sm_count(device.local_hardware_id)
   variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call)
+  programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
+  common.warm_lowerings((p, lb.fused_args()) for p in programs.values())  # Triton, in threads
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
@@ -170,7 +172,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
       contestants[engine_tiles[tiles]] = (program, lb.gemm_args(), ("gluon_gemm_kernel",))
   tol = max_rel_err(case)
   for name, cfg in variants.items():
-    program = fused_program(case, cfg, num_sms)
+    program = programs[name]
     t0 = time.monotonic()
     try:
       checks[name] = lb.check(program)
