@@ -35,8 +35,7 @@ def warm_lowerings(programs, threads: int = 8) -> None:
   kernel's program compiles the kernel with Triton, mostly outside the GIL, and jax-triton keeps
   the binary for the calls that follow, which then only re-lower and compile with XLA.  A
   lowering that fails is left for that call to report (the benchmarks log it there)."""
-  import concurrent.futures
-  import os
+  from jax_autooverlap.tuning.autotune import in_threads
 
   def lower(item):
     fn, args = item
@@ -44,10 +43,7 @@ def warm_lowerings(programs, threads: int = 8) -> None:
       fn.lower(*args)
     except Exception:  # noqa: BLE001 - the program's own call raises it again, and logs it
       pass
-  programs = list(programs)
-  workers = max(1, min(threads, len(programs), os.cpu_count() or 1))
-  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ao-lower") as pool:
-    list(pool.map(lower, programs))
+  in_threads(lower, programs, threads)
 
 
 def gpu_name(device=None) -> str:

@@ -144,10 +144,17 @@ def compile_all(programs: Sequence[Program]) -> dict[str, str]:
     except Exception as e:  # noqa: BLE001 - a candidate failing is a verdict, not an error
       return f"compile: {_error(e)}"
     return None
-  workers = max(1, min(COMPILE_THREADS, len(programs), os.cpu_count() or 1))
-  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ao-compile") as pool:
-    errors = list(pool.map(one, programs))
+  errors = in_threads(one, programs)
   return {p.label: e for p, e in zip(programs, errors) if e is not None}
+
+
+def in_threads(fn, items, limit: int = COMPILE_THREADS) -> list:
+  """[fn(item) for item in items], up to `limit` (and the CPU count) at once, each in a thread
+  with a clean JAX trace state."""
+  items = list(items)
+  workers = max(1, min(limit, len(items), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ao-compile") as pool:
+    return list(pool.map(fn, items))
 
 
 def measure(programs: Sequence[Program], agreement: Agreement, rounds: int = ROUNDS) -> dict:
