@@ -165,8 +165,9 @@ def tail_split_config(op: str, world: int, shard_rows: int, k: int, n: int, base
   second wave, that wave runs on as many CTAs as are free, not one per tile: in halves.  E.g.
   Llama-3-70B Q/K/V at TP = 8, 4k tokens, 160 tiles, 32 movers: 60 split, 1.36 x cuBLAS in
   place of 1.61 (loopback, one H200).  Each split tile's halves pass through memory as fp32
-  partials, ~10 us per tile measured, so only K >= TAIL_MIN_K (a half tile of ~40 us or
-  more: at K = 4096 the split lost, 1.65 x against 1.40), and two parts (four: 1.48 x)."""
+  partials, ~10 us per tile (fitted to the measured times), so only K >= TAIL_MIN_K (a half
+  tile of ~40 us or more: at K = 4096 the split lost, 1.65 x against 1.40), and two parts
+  (four: 1.48 x)."""
   if op != "ag" or base.engine != "tl" or base.split_k != 1 or k < TAIL_MIN_K:
     return None
   tiles = fused_tiles(world, shard_rows, n, base)
