@@ -44,6 +44,15 @@ def assert_close(got, want, dtype, factor=1.0):
   assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
 
 
+def notebook_cell(marker: str) -> str:
+  """The source of notebooks/explore.ipynb's code cell that contains `marker`."""
+  import json
+  import pathlib
+  nb = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "explore.ipynb").read_text())
+  return next("".join(c["source"]) for c in nb["cells"]
+              if c["cell_type"] == "code" and marker in "".join(c["source"]))
+
+
 def cpu_mesh(shape, names):
   devices = jax.devices("cpu")
   need = int(np.prod(shape))

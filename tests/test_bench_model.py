@@ -15,6 +15,7 @@ import unittest.mock
 
 import pytest
 
+from conftest import notebook_cell
 from jax_autooverlap.bench.model import cli, llama, runner
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -98,9 +99,7 @@ def test_smoke_prints_table_last_and_says_cpu_shows_no_gains(smoke):
 def test_notebook_cell_tabulates_gpu_model_results_only(smoke, tmp_path, monkeypatch, capsys):
   """The notebook's model-results cell reads the JSON (and says so when there is none), and
   leaves CPU runs out: their timings cannot show overlap, beside GPU runs they would mislead."""
-  nb = json.loads((ROOT / "notebooks" / "explore.ipynb").read_text())
-  cell = next("".join(c["source"]) for c in nb["cells"]
-              if c["cell_type"] == "code" and "-model*.json" in "".join(c["source"]))
+  cell = notebook_cell("-model*.json")
   monkeypatch.chdir(tmp_path)
   exec(cell, {})
   assert "no *-model*.json results" in capsys.readouterr().out

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jax_autooverlap.bench import timing
+from conftest import notebook_cell
 from jax_autooverlap.bench.loopback import cli, fixture, programs
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
@@ -341,12 +342,9 @@ def test_engine_benchmark_table_and_config_names(capsys):
 def test_notebook_timeline_cell_plots_the_newest_trace(tmp_path, monkeypatch, capsys):
   """The notebook's timeline cell says when there is no trace, else plots one bar per main loop
   and per epilogue of the first 16 CTAs and prints each contestant's summary."""
-  import pathlib
   import sys
   import unittest.mock
-  nb = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "explore.ipynb").read_text())
-  cell = next("".join(c["source"]) for c in nb["cells"]
-              if c["cell_type"] == "code" and "-timeline.npz" in "".join(c["source"]))
+  cell = notebook_cell("-timeline.npz")
   monkeypatch.chdir(tmp_path)
   exec(cell, {})
   assert "no *-timeline.npz results yet" in capsys.readouterr().out

@@ -3,10 +3,10 @@ host side, on CPU: the list's arithmetic from the published model dimensions, th
 GEMMs, the filters and the table."""
 import json
 import math
-import pathlib
 
 import pytest
 
+from conftest import notebook_cell
 from jax_autooverlap.bench import __main__ as bench
 from jax_autooverlap.bench import shapes
 
@@ -239,9 +239,7 @@ def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, m
   by what bounds the entries and draws one bar per measured entry, coloured by it."""
   import sys
   import unittest.mock
-  nb = json.loads((pathlib.Path(__file__).parents[1] / "notebooks" / "explore.ipynb").read_text())
-  cell = next("".join(c["source"]) for c in nb["cells"]
-              if c["cell_type"] == "code" and "shapes.read_records" in "".join(c["source"]))
+  cell = notebook_cell("shapes.read_records")
   monkeypatch.chdir(tmp_path)
   exec(cell, {})
   assert "no shape-list results yet" in capsys.readouterr().out
