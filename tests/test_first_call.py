@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_autooverlap as ao
 from conftest import cpu_mesh, stand_in_kernels
+from jax_autooverlap import backends
 from jax_autooverlap.ops import measure
 from jax_autooverlap.ops.planning import plan
 from jax_autooverlap.tuning import autotune, select, store
@@ -454,7 +455,11 @@ def test_first_call_times_real_programs_from_inside_a_jit_trace(gpu_planned, mon
   good = impls["triton"].run
   broken = select.default_candidates("ag", 2, BF16)[1]
 
+  events = []  # the kernels' modules are imported before the concurrent compiles trace them
+  monkeypatch.setattr(backends, "load_kernels", lambda: events.append("load"))
+
   def run(a, b, cp, need_gathered, scale=None):  # as registry.dispatch and measure call it
+    events.append("trace")
     out = good(a, b, cp, need_gathered, scale)
     if cp.gpu.kernel == broken:  # a wrong kernel: its result is off
       return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
@@ -475,6 +480,7 @@ def test_first_call_times_real_programs_from_inside_a_jit_trace(gpu_planned, mon
   assert "result off the reference" in next(iter(failed.values()))
   kernels = {k for _, k in gpu_planned}
   assert kernels >= set(select.default_candidates("ag", 2, BF16))  # both compiled and checked
+  assert events[0] == "load" and "trace" in events
 
 
 def test_first_call_measures_fp8_matmuls_within_the_formats_bound(gpu_planned, monkeypatch,

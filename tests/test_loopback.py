@@ -475,3 +475,33 @@ def test_warm_lowerings_traces_the_programs_concurrently_and_leaves_failures_to_
   x = jnp.ones(4)
   common.warm_lowerings([(make(i), (x,)) for i in range(3)], threads=3)
   assert sorted(traced) == [0, 1, 2]
+
+
+def test_warm_lowerings_imports_the_kernels_before_its_threads():
+  """Lowerings in threads must not be Triton's first import: its modules import each other in
+  cycles, and a racing thread got a half-initialised `triton` (no attribute 'runtime') in a
+  first call on the GPU.  A fresh interpreter whose 'lowerings' import the kernel modules."""
+  import subprocess
+  import sys
+  code = """
+import importlib, os, sys
+os.cpu_count = lambda: 8  # as on the GPU machine: 8 threads at once
+from jax_autooverlap._compat import import_jax_triton
+from jax_autooverlap.bench import common
+assert "triton" not in sys.modules
+errors = []
+class Lowering:
+  def __init__(self, name): self.name = name
+  def lower(self):
+    try:
+      importlib.import_module("jax_autooverlap.kernels." + self.name)
+      import_jax_triton()  # as a fused program's lowering does
+    except Exception as e:
+      errors.append(repr(e))
+names = ["ag_gemm", "gemm_rs", "split_k", "gluon_engine", "gluon_gemm_rs", "sync"] * 2
+common.warm_lowerings([(Lowering(n), ()) for n in names], threads=8)
+print(errors)
+assert not errors
+"""
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr

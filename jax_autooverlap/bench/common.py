@@ -35,6 +35,7 @@ def warm_lowerings(programs, threads: int = 8) -> None:
   kernel's program compiles the kernel with Triton, mostly outside the GIL, and jax-triton keeps
   the binary for the calls that follow, which then only re-lower and compile with XLA.  A
   lowering that fails is left for that call to report (the benchmarks log it there)."""
+  from jax_autooverlap import backends
   from jax_autooverlap.tuning.autotune import in_threads
 
   def lower(item):
@@ -43,6 +44,7 @@ def warm_lowerings(programs, threads: int = 8) -> None:
       fn.lower(*args)
     except Exception:  # noqa: BLE001 - the program's own call raises it again, and logs it
       pass
+  backends.load_kernels()  # first imports racing in threads see half-initialised modules
   in_threads(lower, programs, threads)
 
 

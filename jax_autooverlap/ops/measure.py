@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_autooverlap import fp8
+from jax_autooverlap import backends, fp8
 from jax_autooverlap.ops import registry
 from jax_autooverlap.runtime import cuda, rendezvous
 from jax_autooverlap.tuning import autotune, select
@@ -240,7 +240,8 @@ def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, 
   what = describe_call(op, mesh.shape[axis_name], sizes, dtype, b_dtype)
   agreement = _Agreement(tag, processes, f"first-call measurement of {what}")
 
-  def programs():
+  def programs():  # compiled in several threads (autotune.compile_all): no import may race there
+    backends.load_kernels()
     case = _Case(op, mesh, axis_name, sizes, dtype, out_dtype, b_dtype)
     kernels = (None, *verdict.candidates)
     labels = (autotune.UNFUSED, *map(str, range(len(verdict.candidates))))
