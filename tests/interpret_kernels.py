@@ -1,7 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
     TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
-        [M K N [SPARE [SPLIT_TAIL]]]
+        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS]]]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -11,7 +11,8 @@ arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), 
 parity slots); its output and its push into each peer's workspace are compared with the
 unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
 workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
-(KernelConfig.split_tail).  The interpreter runs the CTAs one after another, so
+(KernelConfig.split_tail).  PACK_SHARDS 1: AG with the shards packed into the row tiles
+(KernelConfig.pack_shards).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -88,9 +89,10 @@ def _buffer(nbytes, align=4096):
   return raw[start:start + nbytes]
 
 
-def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, num_sms=16):
-  from jax_autooverlap.backends.launch import (ag_grid, kernel_constants, partials_type, rs_grid,
-                                               split_from)
+def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pack_shards=False,
+        num_sms=16):
+  from jax_autooverlap.backends.launch import (ag_grid, kernel_constants, pack, partials_type,
+                                               rs_grid, split_from)
   from jax_autooverlap.bench.loopback import fixture
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
@@ -100,7 +102,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, nu
   from jax_autooverlap.tuning.config import KernelConfig
   case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare)
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
-                     num_comm=2, split_k=split_k, split_tail=split_tail)
+                     num_comm=2, split_k=split_k, split_tail=split_tail,
+                     pack_shards=pack_shards)
   rng = np.random.default_rng(world * 100 + split_k)
   a = rng.standard_normal(case.a_shape).astype(np.float16)
   b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[0])).astype(np.float16)
@@ -115,16 +118,19 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, nu
   rank = np.zeros(1, np.int32)
   rows, kk, cols = case.a_shape[0], case.a_shape[1], case.b_shape[1]
   if op == "ag":
-    tm, tn, num_comm, num_ctas = ag_grid(rows, cols, world, cfg, num_sms)
+    tm, tn, num_comm, num_ctas, tiles = ag_grid(rows, cols, world, cfg, num_sms)
   else:
     _, tm, tn, num_ctas = rs_grid(rows, cols, world, cfg, num_sms)
-  why = select.split_k_unsupported(cfg, world * tm * tn, kk)  # what the launchers refuse
+    tiles = world * tm * tn
+  # what the launchers refuse
+  why = (select.unsupported(rows, kk, cols, np.float16, np.float16, cfg, op)
+         or select.split_k_unsupported(cfg, tiles, kk))
   if why:
     raise ValueError(why)
   consts = kernel_constants(cfg, world, tm, num_ctas, 1.0, 0,
                             workspace.parity_bytes(world, fixture.workspace_bytes(case)))
-  partials = np.zeros(partials_type(cfg, world * tm * tn, kk, "interpret").shape, np.float32)
-  first_split = split_from(cfg, world * tm * tn)
+  partials = np.zeros(partials_type(cfg, tiles, kk, "interpret").shape, np.float32)
+  first_split = split_from(cfg, tiles)
   scratch = np.zeros(num_ctas * 1024, np.uint8)
   problems = []
   for call in range(2):
@@ -142,7 +148,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, nu
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
           COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
-          SPLIT_FROM=first_split, **consts)
+          SPLIT_FROM=first_split, PACK=pack(cfg, rows), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(partials),
@@ -173,7 +179,8 @@ def main(argv):
   m, k, n = map(int, argv[5:8]) if len(argv) > 5 else (256, 512, 384)
   spare = int(argv[8]) if len(argv) > 8 else 0
   split_tail = int(argv[9]) if len(argv) > 9 else 0
-  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail)
+  pack_shards = len(argv) > 10 and argv[10] == "1"
+  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail, pack_shards)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

@@ -49,7 +49,7 @@ def _cfg_name(cfg) -> str:
   return (f"{cfg.engine}-{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-g{cfg.group_m}"
           f"-w{cfg.num_warps}-s{cfg.num_stages}-c{cfg.chunks}-m{cfg.num_comm}"
           + ("-wg" if cfg.wg_partitions else "") + (f"-k{cfg.split_k}" if cfg.split_k > 1 else "")
-          + (f"-t{cfg.split_tail}" if cfg.split_tail else ""))
+          + (f"-t{cfg.split_tail}" if cfg.split_tail else "") + ("-p" if cfg.pack_shards else ""))
 
 
 def tuner_configs(op: str) -> list:

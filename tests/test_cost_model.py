@@ -391,20 +391,23 @@ def test_gemm_check_shapes_are_not_calibration_points():
 
 
 def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
-  """For a small shape the first call times SMALL_KEEP of the usual candidates, then split-K
-  and the narrower tiles (both engines on sm_90 with 16-bit operands), MAX_CANDIDATES in all;
-  large shapes and 32-bit operands get the usual list."""
+  """For a small shape the first call times SMALL_KEEP of the usual candidates, then packed
+  shards (AG), split-K and the narrower tiles (both engines on sm_90 with 16-bit operands),
+  MAX_CANDIDATES in all; large shapes and 32-bit operands get the usual list."""
   sizes = (16, 4096, 768)  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: 16 rows per source
   usual = select.default_candidates("ag", 8, BF16, "9.0")
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
   assert len(got) == select.MAX_CANDIDATES and got[:select.SMALL_KEEP] == usual[:select.SMALL_KEEP]
   small = got[select.SMALL_KEEP:]
-  assert small[0].split_k > 1 and small[0].engine == "tl"
-  assert {(c.engine, c.block_m, c.block_n) for c in small[1:]} == {
-      ("tl", 128, 128), ("gluon", 128, 128), ("tl", 64, 256)}
+  assert [(c.block_m, c.block_n, c.split_k) for c in small[:2] if c.pack_shards] == [
+      (128, 128, 8), (64, 256, 8)]
+  assert small[2].split_k > 1 and small[2].engine == "tl" and not small[2].pack_shards
+  assert {(c.engine, c.block_m, c.block_n) for c in small[3:]} == {("tl", 128, 128)}
   assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
   assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
+  rs, _ = select.first_call_candidates("rs", None, 8, (128, 4096, 768), 16, BF16, BF16, "9.0")
+  assert not any(c.pack_shards for c in rs)  # the all-gather only
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
                                           "9.0")
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
@@ -415,20 +418,31 @@ def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
 def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   """Where the default tiles give fewer than two waves: 128x128, 64x256, 64x128 per engine
   (a warpgroup per 64 rows), and on tl split-K on the smallest tile whose tiles fit the
-  split counters (64); none for large shapes or 32-bit operands."""
+  split counters (64), and for AG the shards packed into 128x128 and 64x256 tiles with
+  split-K; none for large shapes or 32-bit operands."""
   base = KernelConfig()
   # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
   got = select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132)
-  assert [(c.engine, c.block_m, c.block_n, c.num_warps, c.split_k) for c in got] == [
-      ("tl", 128, 128, 8, 1), ("tl", 64, 256, 8, 1), ("tl", 64, 128, 4, 1),
-      ("gluon", 128, 128, 8, 1), ("gluon", 64, 256, 4, 1), ("gluon", 64, 128, 4, 1),
-      ("tl", 64, 128, 4, 2)]  # 48 tiles x 2 parts (x 3 would pass the 132 SMs)
+  assert [(c.engine, c.block_m, c.block_n, c.num_warps, c.split_k, c.pack_shards)
+          for c in got] == [
+      ("tl", 128, 128, 8, 1, False), ("tl", 64, 256, 8, 1, False), ("tl", 64, 128, 4, 1, False),
+      ("gluon", 128, 128, 8, 1, False), ("gluon", 64, 256, 4, 1, False),
+      ("gluon", 64, 128, 4, 1, False),
+      ("tl", 64, 128, 4, 2, False),  # 48 tiles x 2 parts (x 3 would pass the 132 SMs)
+      # packed: the 128 gathered rows in 1 (128x128) or 2 (64x256) row tiles: 6 tiles x 8
+      ("tl", 128, 128, 8, 8, True), ("tl", 64, 256, 8, 8, True)]
+  assert select.fused_tiles(8, 16, 768, got[-2]) == 6 == select.fused_tiles(8, 16, 768, got[-1])
   assert all(select.unsupported(16, 4096, 768, BF16, BF16, c) is None for c in got)
   for c in got:
     tiles = select.fused_tiles(8, 16, 768, c)
     assert select.split_k_unsupported(c, tiles, 4096) is None and tiles * c.split_k <= 132
   assert select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132,
-                                    ("tl",))[-1].split_k == 2
+                                    ("tl",))[-3].split_k == 2
+  rs = select.small_shape_configs("rs", 8, 16, 4096, 768, BF16, BF16, base, 132)
+  assert rs and not any(c.pack_shards for c in rs)
+  # 24-row shards do not fill 64- or 128-row tiles exactly: nothing packed
+  assert not any(c.pack_shards for c in select.small_shape_configs(
+      "ag", 8, 24, 4096, 768, BF16, BF16, base, 132))
   # 8192 rows at TP = 2 (2 x 32 x 12 = 768 tiles): large
   assert select.small_shape_configs("ag", 2, 4096, 4096, 3072, BF16, BF16, base, 132) == []
   assert select.small_shape_configs("ag", 8, 16, 4096, 768, np.float32, np.float32,
@@ -523,3 +537,27 @@ def test_fit_reads_only_tl_kernel_records(tmp_path):
   (tmp_path / "r.json").write_text(json.dumps(records))
   got = fit.load_records([tmp_path])
   assert [(r["impl"], r["median_ms"]) for r in got] == [("unfused", 0.53), ("ours", 0.40)]
+
+
+def test_packed_shards_need_an_all_gather_whose_shards_fill_the_tiles():
+  """KernelConfig.pack_shards: tl only; the tuner and the launchers refuse it for GEMM+RS and
+  for shards that do not fill a tile's rows exactly, two or more times."""
+  from jax_autooverlap.backends import launch
+  with pytest.raises(ValueError, match="pack_shards=True needs engine='tl'"):
+    KernelConfig(engine="gluon", block_m=64, num_warps=4, pack_shards=True)
+  cfg = KernelConfig(block_m=64, block_n=256, pack_shards=True, split_k=4)
+  assert launch.pack(cfg, 16) == 4 and launch.pack(cfg, 32) == 2
+  assert launch.pack(dataclasses.replace(cfg, pack_shards=False), 16) == 1
+  for rows in (24, 64):
+    assert "fill a tile of block_m=64 rows two or more times" in select.unsupported(
+        rows, 4096, 768, BF16, BF16, cfg, "ag")
+    with pytest.raises(ValueError, match=f"shards whose {rows} rows fill block_m=64"):
+      launch.pack(cfg, rows)
+  assert select.unsupported(16, 4096, 768, BF16, BF16, cfg, "rs") == \
+      "pack_shards is for the all-gather only"
+  with pytest.raises(ValueError, match="launch_gemm_rs: pack_shards=True is for the all-gather"):
+    launch.pack(cfg, 16, "rs")
+  # the own shard's arrival takes the first of the 64 split counters
+  assert select.split_counters(cfg) == 63
+  assert "at most 63 output tiles" in select.split_k_unsupported(cfg, 64, 4096)
+  assert select.split_k_unsupported(dataclasses.replace(cfg, pack_shards=False), 64, 4096) is None

@@ -182,7 +182,7 @@ def test_gluon_push_descriptors_made_per_tile_match_unfused(op, shape, movers, w
                             num_comm=movers)
   rows, k, n = case.a_shape[0], case.a_shape[1], case.b_shape[1]
   if op == "ag":
-    tm, _, num_comm, _ = ag_grid(rows, n, world, cfg, sms)
+    tm, _, num_comm, _, _ = ag_grid(rows, n, world, cfg, sms)
     assert gluon._fewer_than_peers(gluon._push_units(k, world, tm), num_comm, world)
   else:
     _, tm, tn, ctas = rs_grid(rows, n, world, cfg, sms)

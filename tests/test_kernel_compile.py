@@ -356,11 +356,14 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("entry", list_configs(),
                          ids=lambda e: f"{e[0]}-{e[1].engine}-{e[1].block_m}x{e[1].block_n}"
-                                       f"-k{e[1].split_k}-t{e[1].split_tail}-w{e[2]}-{'x'.join(map(str, e[3]))}")
+                                       f"-k{e[1].split_k}-t{e[1].split_tail}"
+                                       f"{'-p' if e[1].pack_shards else ''}"
+                                       f"-w{e[2]}-{'x'.join(map(str, e[3]))}")
 def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatch, tmp_path,
                                                                       entry):
   """Every config an entry of the benchmark's shape list selects beyond the tuner's own
-  (tests/ptx_dump.py list_configs: narrower tiles on both engines, split-K on tl), at that
+  (tests/ptx_dump.py list_configs: narrower tiles on both engines, split-K and packed shards on
+  tl), at that
   entry's per-rank shape: the tile's wgmma, TMA, the cross-GPU protocol, split-K's GPU-scope
   counting and L1-bypassing reads, and ptxas neither spills nor serializes the wgmma."""
   op, cfg, world, (m, k, n) = entry

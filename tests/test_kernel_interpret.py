@@ -1,8 +1,8 @@
 """The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
 as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
 counters zero after each of two calls; with and without split-K (kernels/split_k.py; of every
-tile or of the last ones only), full and ragged tiles, workspaces sized for the call and grown
-beyond it.  What they compute, not how
+tile or of the last ones only), full and ragged tiles, shards packed into the row tiles,
+workspaces sized for the call and grown beyond it.  What they compute, not how
 CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
@@ -37,12 +37,19 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 4, 2, 64, 64, 256, 512, 384, 0, 5),
     ("ag", 8, 3, 64, 64, 512, 512, 512, 0, 9),   # 16 tiles, 9 split in 3, split tiles of 2 sources
     ("rs", 4, 2, 64, 64, 256, 512, 384, 0, 3),
+    # the shards packed into the row tiles (KernelConfig.pack_shards): 16-row shards, 4 per
+    # 64-row tile (two row tiles); 8 per 128-row tile of a group of 4 (half the tile beyond
+    # the gathered rows); 32-row shards without split-K
+    ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1),
+    ("ag", 4, 2, 128, 64, 64, 256, 128, 0, 0, 1),
+    ("ag", 8, 1, 128, 128, 256, 512, 256, 0, 0, 1),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c)
                          + (f"-spare{c[8]}" if len(c) > 8 and c[8] else "")
-                         + (f"-tail{c[9]}" if len(c) > 9 else ""))
+                         + (f"-tail{c[9]}" if len(c) > 9 and c[9] else "")
+                         + ("-packed" if len(c) > 10 and c[10] else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,
@@ -59,3 +66,13 @@ def test_split_k_beyond_its_counters_is_refused():
                         timeout=600, cwd=ROOT)
   assert proc.returncode != 0
   assert "split_k=2 takes at most 64 output tiles per call, this shape has 80" in proc.stderr
+
+
+def test_packed_shards_that_do_not_fill_a_tile_exactly_are_refused():
+  """pack_shards needs shards that fill a tile's rows exactly, two or more times: 24-row shards
+  in 64-row tiles would put a shard across two tiles (the launchers and the tuner refuse it)."""
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"), "ag", "4",
+                         "2", "64", "64", "96", "256", "128", "0", "0", "1"], capture_output=True,
+                        text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode != 0
+  assert "shards of 24 rows fill a tile of block_m=64 rows" in proc.stderr

@@ -398,7 +398,8 @@ def test_ncu_engine_summary_reads_one_row_per_kernel_and_skips_rule_rows():
 def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   """What the benchmark times per case: the tuner's config on each engine, GEMM+RS's warpgroup
   partitions, and for small shapes (fewer than two waves of 128x256 tiles) the narrower tiles
-  on both engines and split-K on tl; none of those for a large shape."""
+  on both engines, split-K on tl and (AG) the shards packed into the row tiles; none of those
+  for a large shape."""
   small = fixture.Case("rs", 128, 4096, 4096, world=8)  # 16 output rows per owner
   got = cli.fused_variants(small, "NVIDIA H200", ["tl", "gluon"], 132)
   assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128", "tl-64x256", "tl-64x128",
@@ -408,7 +409,8 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   assert all(c.split_k == 1 for c in got.values())
   qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # 16-row shards, 768 columns
   got = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
-  assert list(got)[-1] == "tl-64x128-k2" and got["tl-64x128-k2"].split_k == 2
+  assert list(got)[-3:] == ["tl-64x128-k2", "tl-128x128-k8-p", "tl-64x256-k8-p"]
+  assert got["tl-64x128-k2"].split_k == 2 and got["tl-128x128-k8-p"].pack_shards
   assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
                                  ["tl", "gluon"], 132)) == ["tl", "gluon"]
   assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"

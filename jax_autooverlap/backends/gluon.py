@@ -62,7 +62,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   jt = import_jax_triton()
   m, k = a.shape
   n = b_cols(a, b)
-  tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
+  tm, tn, num_comm, num_ctas, _ = ag_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, timeline, _ = jt.triton_call(

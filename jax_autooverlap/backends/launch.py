@@ -12,7 +12,7 @@ from jax_autooverlap import fp8
 
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
-from jax_autooverlap.tuning.select import split_k_unsupported
+from jax_autooverlap.tuning.select import fused_tiles, split_k_unsupported
 
 
 def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
@@ -81,17 +81,32 @@ def partials_type(kernel: KernelConfig, tiles: int, k: int, what: str):
 
 
 def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(row tiles of a shard, column tiles, mover CTAs, CTAs) of an AG+GEMM launch (both engines).
+  """(row tiles of a shard, column tiles, mover CTAs, CTAs, output tiles) of an AG+GEMM launch
+  (both engines; pack_shards: a shard is one row tile's part, the tiles cover the gathered rows).
 
   tl: the movers are CTAs of their own, which compute only after pushing (split-K: a work unit
   per part of a tile); gluon: the mover is a warp of a computing CTA
   (kernels/gluon_ag_gemm.py), in the first num_comm CTAs."""
   tm, tn = math.ceil(m / kernel.block_m), math.ceil(n / kernel.block_n)
+  tiles = fused_tiles(world, m, n, kernel)
   if kernel.engine == "gluon":
-    num_ctas = min(num_sms, world * tm * tn)
-    return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas
+    num_ctas = min(num_sms, tiles)
+    return tm, tn, max(1, min(kernel.num_comm, num_ctas)), num_ctas, tiles
   num_comm = max(1, min(kernel.num_comm, num_sms // 2))
-  return tm, tn, num_comm, min(num_sms, num_comm + work_units(kernel, world * tm * tn))
+  return tm, tn, num_comm, min(num_sms, num_comm + work_units(kernel, tiles)), tiles
+
+
+def pack(kernel: KernelConfig, m: int, op: str = "ag") -> int:
+  """Sources per row tile of an AG launch with shards of m rows (kernels/ag_gemm.py PACK);
+  ValueError where the config packs shards that do not fill its tiles exactly, or packs
+  GEMM+RS's (op "rs")."""
+  if not kernel.pack_shards:
+    return 1
+  if op != "ag" or kernel.block_m % m or kernel.block_m < 2 * m:
+    raise ValueError(f"launch_{'ag_gemm' if op == 'ag' else 'gemm_rs'}: pack_shards=True "
+                     + (f"needs shards whose {m} rows fill block_m={kernel.block_m} rows two or "
+                        "more times exactly" if op == "ag" else "is for the all-gather only"))
+  return kernel.block_m // m
 
 
 def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):

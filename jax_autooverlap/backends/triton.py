@@ -18,7 +18,7 @@ from jax import lax
 from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, pack, parity_bytes,
                                              partials_type, rs_grid, split_from, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
@@ -75,20 +75,20 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
 
   m, k = a.shape
   n = b_cols(a, b)
-  tm, tn, num_comm, num_ctas = ag_grid(m, n, world, kernel, num_sms)
+  tm, tn, num_comm, num_ctas, tiles = ag_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
   out, gathered, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
       zeroed_outputs=(0, 1) if poison else (),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
-                partials_type(kernel, world * tm * tn, k, "launch_ag_gemm"),
+                partials_type(kernel, tiles, k, "launch_ag_gemm"),
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
-      SPLIT_FROM=split_from(kernel, world * tm * tn),
+      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, m),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, gathered) if return_gathered else out
 
@@ -151,6 +151,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                                 workspace_bytes=workspace_bytes)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
+  pack(kernel, a.shape[0], "rs")  # refuses packed shards
 
   m, k = a.shape
   n = b_cols(a, b)

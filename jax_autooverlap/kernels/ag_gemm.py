@@ -15,9 +15,16 @@ Roles (grid <= number of SMs, one CTA per program):
   loop reads A and B through TMA tensor descriptors.
 - With SPLIT_K > 1 the counter hands out parts of tiles (kernels/split_k.py; of
   the tiles from SPLIT_FROM on): the part that finishes a tile's sum last stores it.
+- With PACK > 1 (KernelConfig.pack_shards: shards of M_SHARD = BLOCK_M / PACK rows) a row
+  tile is PACK sources' shards, read from the gather buffer, whose every slot is then in use:
+  the movers' first unit copies this GPU's own shard into its own slot and counts it on its
+  own first arrival counter (the split counters start after it).  A tile waits for each of
+  its sources, its own included: the one wait of a CTA on another CTA of its GPU, mover
+  CTA 0, whose first unit that copy is (bounded like the others, so a CTA 0 kept from
+  running is an error, not a hang).  B is read once per PACK sources.
 - The last CTA to finish zeroes this call's counters and advances the epoch
   (see runtime/workspace.py for why parity double-buffering is safe).
-No CTA ever waits for another CTA of its own GPU, so the kernel cannot
+Without PACK no CTA waits for another CTA of its own GPU, so the kernel cannot
 deadlock on CTA scheduling; waits on peers are bounded (kernels/sync.py).
 
 fp8 operands (e4m3/e5m2, any pairing): the shard moves as fp8 bytes, b comes
@@ -57,7 +64,7 @@ def ag_gemm_kernel(
     COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
     PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
     RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
-    SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr,
+    SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
@@ -77,12 +84,15 @@ def ag_gemm_kernel(
   my_bufs = (ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(dtype))
 
   if pid < NUM_COMM:
-    # Push: unit u = (chunk, peer step, row tile) in chunk-major order.
-    UNITS: tl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK
+    # Push: unit u = (chunk, peer step, row tile) in chunk-major order; PACK > 1: step 0 is
+    # this GPU itself (its own slot), the first unit of CTA 0.
+    FIRST: tl.constexpr = 0 if PACK > 1 else 1
+    PEERS: tl.constexpr = WORLD - FIRST
+    UNITS: tl.constexpr = NCHUNK * PEERS * TILES_PER_CHUNK
     for u in range(pid, UNITS, NUM_COMM):
-      tm = (u // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
+      tm = (u // (PEERS * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
       if tm < TM:
-        peer = (rank + 1 + (u // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
+        peer = (rank + FIRST + (u // TILES_PER_CHUNK) % PEERS) % WORLD
         peer_ws = table_address(table_ptr, peer)
         dst = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
             tl.pointer_type(dtype)) + rank.to(tl.int64) * SHARD
@@ -127,32 +137,54 @@ def ag_gemm_kernel(
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],
                                      strides=[M_SHARD * N, N, 1],
                                      block_shape=[1, BLOCK_M, BLOCK_N])
+  if PACK > 1:  # the gathered rows in row tiles of PACK sources: out is [WORLD * M_SHARD, N]
+    packed_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD * M_SHARD, N], strides=[N, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
   PER_SRC: tl.constexpr = TM * TN
   GROUP: tl.constexpr = GROUP_M * TN
+  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
+  # the split counters: this rank's own row of arrival counters, after the own shard's (PACK)
+  counters = my_flags + rank * MAX_CHUNKS + (1 if PACK > 1 else 0)
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  WORK: tl.constexpr = SPLIT_FROM + (WORLD * PER_SRC - SPLIT_FROM) * SPLIT_K
+  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
   while u < WORK:
     t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
-    src = (rank + WORLD - t // PER_SRC) % WORLD
-    l = t % PER_SRC
-    first_m = (l // GROUP) * GROUP_M
-    group_rows = tl.minimum(TM - first_m, GROUP_M)
-    tm = first_m + (l % GROUP) % group_rows
-    tn = (l % GROUP) // group_rows
-    a_desc = local_desc
-    row0 = tm * BLOCK_M
-    if src != rank:
-      c = tm // TILES_PER_CHUNK
-      wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
-                    err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
-      a_desc = bufs_desc
-      row0 += src * M_SHARD
-    acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
-                                  partials_ptr, my_flags + rank * MAX_CHUNKS, SPLIT_FROM, K,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
-    if last:  # else another part of this tile stores it
-      o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                   acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+    if PACK > 1:  # the own sources' row tile first, then rank-1's, ...
+      pt = (rank // PACK + PT - t // TN) % PT
+      tn = t % TN
+      for j in tl.static_range(PACK):
+        src = pt * PACK + j
+        if src < WORLD:
+          wait_at_least(my_flags + src * MAX_CHUNKS, 1, err_slot, OP_ID, rank, src, 0,
+                        TIMEOUT_NS)
+      acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
+                                    scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
+                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+      if last:  # else another part of this tile stores it
+        packed_desc.store([pt * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+    else:
+      src = (rank + WORLD - t // PER_SRC) % WORLD
+      l = t % PER_SRC
+      first_m = (l // GROUP) * GROUP_M
+      group_rows = tl.minimum(TM - first_m, GROUP_M)
+      tm = first_m + (l % GROUP) % group_rows
+      tn = (l % GROUP) // group_rows
+      a_desc = local_desc
+      row0 = tm * BLOCK_M
+      if src != rank:
+        c = tm // TILES_PER_CHUNK
+        wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                      tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                      err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
+        a_desc = bufs_desc
+        row0 += src * M_SHARD
+      acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                    partials_ptr, counters, SPLIT_FROM, K,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+      if last:  # else another part of this tile stores it
+        o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
+                     acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

@@ -59,10 +59,14 @@ class KernelConfig:
   # With split_k > 1: split only the call's last split_tail tiles (0: every tile), for shapes
   # whose last wave of tiles would leave most SMs idle (tuning/select.py tail_split_config).
   split_tail: int = 0
+  # AG+GEMM on `tl` where a shard has fewer rows than a tile: each row tile holds the shards of
+  # block_m / shard rows sources (kernels/ag_gemm.py PACK), so B is read once per that many
+  # sources, not once per source (tuning/select.py unsupported says which shapes take it).
+  pack_shards: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
-      if f.name not in ("engine", "wg_partitions", "split_tail"):
+      if f.name not in ("engine", "wg_partitions", "split_tail", "pack_shards"):
         _positive_int("KernelConfig", f.name, getattr(self, f.name))
     tail = self.split_tail
     if not isinstance(tail, int) or isinstance(tail, bool) or tail < 0:
@@ -74,6 +78,11 @@ class KernelConfig:
     if self.wg_partitions and (self.engine != "gluon" or self.block_m != 128):
       raise ValueError(f"KernelConfig: wg_partitions=True needs engine='gluon' and block_m=128 "
                        f"(engine={self.engine!r}, block_m={self.block_m})")
+    if not isinstance(self.pack_shards, bool):
+      raise ValueError(f"KernelConfig: pack_shards={self.pack_shards!r} must be a bool")
+    if self.pack_shards and self.engine != "tl":
+      raise ValueError(f"KernelConfig: pack_shards=True needs engine='tl' "
+                       f"(engine={self.engine!r})")
     if self.split_k > 1 and self.engine != "tl":
       raise ValueError(f"KernelConfig: split_k={self.split_k} needs engine='tl' "
                        f"(engine={self.engine!r})")

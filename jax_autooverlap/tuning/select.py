@@ -70,6 +70,7 @@ LISTED_WORLDS = (2, 4, 8)
 SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
+PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
 # in two, where K >= TAIL_MIN_K (tail_split_config).
@@ -130,6 +131,10 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
       return f"K={k} must be a multiple of the fp8 K tile {cfg.block_k}"
     if cfg.block_k * dt.itemsize < 32:
       return f"fp8 wgmma needs K tiles of at least 32 (block_k={cfg.block_k})"
+  if cfg.pack_shards and (op != "ag" or cfg.block_m % m_shard or cfg.block_m < 2 * m_shard):
+    return (f"pack_shards needs an all-gather whose shards of {m_shard} rows fill a tile of "
+            f"block_m={cfg.block_m} rows two or more times exactly" if op == "ag" else
+            "pack_shards is for the all-gather only")
   if cfg.engine == "gluon" and dt.itemsize > 2:
     return f"the gluon engine takes 16-bit and fp8 operands (wgmma), not {dt.name}"
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
@@ -138,8 +143,17 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
 
 
 def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
-  """Output tiles of one GPU's fused call: every source's (AG) or owner's (RS) shard_rows x n."""
+  """Output tiles of one GPU's fused call: every source's (AG) or owner's (RS) shard_rows x n;
+  with pack_shards, the gathered world * shard_rows rows in tiles of block_m."""
+  if cfg.pack_shards:
+    return math.ceil(world * shard_rows / cfg.block_m) * math.ceil(n / cfg.block_n)
   return world * math.ceil(shard_rows / cfg.block_m) * math.ceil(n / cfg.block_n)
+
+
+def split_counters(cfg: KernelConfig) -> int:
+  """The split-K counters of a call: its own row of MAX_CHUNKS arrival counters, less the
+  first with pack_shards (the own shard's copy arrives there: kernels/ag_gemm.py)."""
+  return cost_model.MAX_CHUNKS - (1 if cfg.pack_shards else 0)
 
 
 def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
@@ -149,8 +163,8 @@ def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
   if cfg.split_k == 1:
     return None
   split = min(cfg.split_tail, tiles) if cfg.split_tail else tiles
-  if split > cost_model.MAX_CHUNKS:
-    return (f"split_k={cfg.split_k} takes at most {cost_model.MAX_CHUNKS} output tiles per "
+  if split > split_counters(cfg):
+    return (f"split_k={cfg.split_k} takes at most {split_counters(cfg)} output tiles per "
             f"call, this shape has {split}" + (" to split" if cfg.split_tail else ""))
   if cfg.split_k > math.ceil(k / cfg.block_k):
     return f"split_k={cfg.split_k} exceeds the {math.ceil(k / cfg.block_k)} k-blocks of K={k}"
@@ -183,6 +197,26 @@ def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
   if engine == "gluon":
     return block_m // 16
   return 8 if block_m * block_n >= 64 * 256 else 4
+
+
+def packed_configs(world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
+                   num_sms: int = NUM_SMS) -> list[KernelConfig]:
+  """AG on `tl` with the shards packed into the row tiles (KernelConfig.pack_shards) and
+  split-K over the SMs, for shards of fewer rows than a tile: one config per tile of
+  PACKED_TILES whose rows shard_rows divides (at least two shards per tile).  At M = 128
+  on 8 GPUs (16-row shards) the 64-row tiles of one source each read B 8 times per call
+  and are three quarters empty; 128-row packed tiles read it once."""
+  out = []
+  for bm, bn in PACKED_TILES:
+    if bm % shard_rows or bm < 2 * shard_rows:
+      continue
+    cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
+                              num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
+                              split_k=1, split_tail=0)
+    tiles = fused_tiles(world, shard_rows, n, cfg)
+    split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
+    out.append(dataclasses.replace(cfg, split_k=max(split, 1)))
+  return out
 
 
 def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dtype, out_dtype,
@@ -224,6 +258,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
       if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
         out.append(cfg)
         break
+  if "tl" in engines and op == "ag":
+    out += [c for c in packed_configs(world, shard_rows, k, n, base, num_sms) if fits(c)]
   tail = tail_split_config(op, world, shard_rows, k, n, base, num_sms) if "tl" in engines else None
   return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
 
@@ -296,14 +332,17 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
            if c not in ordered]
-  # unmeasured preference: split-K (the most SMs busy), then each tile on each engine in turn
-  small.sort(key=lambda c: (c.split_k == 1, SMALL_TILES.index((c.block_m, c.block_n))
+  # unmeasured preference: packed shards, split-K (the most SMs busy), then each tile on
+  # each engine in turn
+  small.sort(key=lambda c: (not c.pack_shards, c.split_k == 1,
+                            SMALL_TILES.index((c.block_m, c.block_n))
                             if (c.block_m, c.block_n) in SMALL_TILES else len(SMALL_TILES)))
   keep = SMALL_KEEP if small else MAX_CANDIDATES
   ordered = ordered[:keep] + small[:MAX_CANDIDATES - min(keep, len(ordered))]
   if model is None:
     return tuple(ordered), None
-  ranked = model.rank(op, rows, k, cols, [c for c in tl(ordered) if c.split_k == 1], out_item)
+  ranked = model.rank(op, rows, k, cols, [c for c in tl(ordered)
+                                          if c.split_k == 1 and not c.pack_shards], out_item)
   predicted = (ranked[0][0], model.unfused_ms(op, rows, k, cols, out_item)) if ranked else None
   return tuple(ordered), predicted
 

@@ -80,13 +80,15 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
 
 def variant_name(cfg) -> str:
   """A fused variant's name: its engine (gluon_wg: a consumer partition per warpgroup), then
-  its tiles and split where not the default's (-k<parts>, -t<last tiles split>).  cfg: a KernelConfig or its record's dict."""
+  its tiles and split where not the default's (-k<parts>, -t<last tiles split>), -p where
+  the shards are packed into the row tiles.  cfg: a KernelConfig or its record's dict."""
   get = cfg.get if isinstance(cfg, dict) else lambda f, d=None: getattr(cfg, f)
   name = get("engine", "tl") + ("_wg" if get("wg_partitions", False) else "")
   if (get("block_m", 128), get("block_n", 256)) != (128, 256):
     name += f"-{get('block_m', 128)}x{get('block_n', 256)}"
   split = f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else ""
-  return name + split + (f"-t{get('split_tail', 0)}" if get("split_tail", 0) else "")
+  return (name + split + (f"-t{get('split_tail', 0)}" if get("split_tail", 0) else "")
+          + ("-p" if get("pack_shards", False) else ""))
 
 
 def first_call_variants(case: Case, device_kind: str, engines) -> dict:
