@@ -598,3 +598,17 @@ def test_processes_sharing_a_gpu_skip_the_unfused_program_up_front(monkeypatch):
   program = measure._Program("unfused", None, "ag_rows", None, not_run="2 GPUs shared")
   with pytest.raises(RuntimeError, match="not run: 2 GPUs shared"):
     program.compile()
+
+
+def test_failed_small_shape_candidates_keep_one_entry_each():
+  """A verdict names each failed candidate by engine, chunks, movers and what differs from the
+  default tiles: small-shape candidates share the first three, and one failure must not hide
+  another."""
+  base = KernelConfig(chunks=4, num_comm=32)
+  cands = [base, dataclasses.replace(base, block_m=64, num_warps=8),
+           dataclasses.replace(base, block_m=128, block_n=128, split_k=8, pack_shards=True)]
+  outcome = autotune.Outcome(choice=None, note="all failed", ours_ms=None, unfused_ms=1.0,
+                             margin=None, failed={"0": "a", "1": "b", "2": "c"})
+  failed = autotune.entry_of(outcome, cands, "2026-12-02", 1, 3)["failed"]
+  assert failed == {"tl chunks=4 movers=32": "a", "tl chunks=4 movers=32 tiles=64x256": "b",
+                    "tl chunks=4 movers=32 tiles=128x128 split_k=8 packed": "c"}

@@ -245,8 +245,14 @@ def decide(unfused, candidates: Sequence) -> Outcome:
 
 
 def _config(cfg: KernelConfig) -> str:
+  """A candidate as the progress lines and a verdict's failures name it: engine, chunks and
+  movers, then what differs from the default tiles (small-shape candidates share the rest)."""
   wg = " wg_partitions" if cfg.wg_partitions else ""
-  return f"{cfg.engine}{wg} chunks={cfg.chunks} movers={cfg.num_comm}"
+  tiles = "" if (cfg.block_m, cfg.block_n) == (128, 256) else f" tiles={cfg.block_m}x{cfg.block_n}"
+  split = (f" split_k={cfg.split_k}" if cfg.split_k > 1 else "") + \
+      (f" split_tail={cfg.split_tail}" if cfg.split_tail else "")
+  packed = " packed" if cfg.pack_shards else ""
+  return f"{cfg.engine}{wg} chunks={cfg.chunks} movers={cfg.num_comm}{tiles}{split}{packed}"
 
 
 def entry_of(outcome: Outcome, candidates: Sequence[KernelConfig], date: str, processes: int,
