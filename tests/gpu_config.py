@@ -8,11 +8,17 @@ import os
 
 def forced_kernel_config():
   """AO_TEST_ENGINE=tl|gluon runs the kernels on that engine (else the tuner's pick: None),
-  AO_TEST_WG_PARTITIONS=1 with gluon the warpgroup-partition GEMM+RS (as
-  tests/gpu_two_process.py --engine / --wg-partitions do)."""
+  AO_TEST_WG_PARTITIONS=1 with gluon the warpgroup-partition GEMM+RS, AO_TEST_PACKED=1 the
+  tl kernels with several shards per 128x128 row tile (KernelConfig.pack_shards: for steps
+  whose shards have 64 rows or fewer, dividing 128) (as tests/gpu_two_process.py --engine /
+  --wg-partitions / --packed do)."""
   from jax_autooverlap.tuning.config import KernelConfig
   engine = os.environ.get("AO_TEST_ENGINE")
   wg = os.environ.get("AO_TEST_WG_PARTITIONS", "") == "1"
   if wg and engine != "gluon":
     raise ValueError("AO_TEST_WG_PARTITIONS=1 needs AO_TEST_ENGINE=gluon")
+  if os.environ.get("AO_TEST_PACKED", "") == "1":
+    if engine not in (None, "tl"):
+      raise ValueError("AO_TEST_PACKED=1 needs the tl engine")
+    return KernelConfig(engine="tl", block_m=128, block_n=128, num_warps=8, pack_shards=True)
   return KernelConfig(engine=engine, wg_partitions=wg) if engine else None

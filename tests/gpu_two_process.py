@@ -3,7 +3,7 @@
     python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
         [--budget-s S] [--timeout-s S]
         [--scenario kernels|missing_peer|nested_step|first_call|fp8_step|fp8_qdq]
-        [--engine tl|gluon [--wg-partitions]] [--fp8]
+        [--engine tl|gluon [--wg-partitions]] [--packed] [--fp8]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
 the other: --world 8,4,2, or all at once with --parallel; CUDA_VISIBLE_DEVICES=0 in each,
@@ -30,7 +30,10 @@ of this process's shard.  The processes' kernels rendezvous through
 time-sliced contexts: timings mean nothing here.  --engine picks the kernels'
 engine (KernelConfig.engine; default: the tuner's choice); --wg-partitions with the
 gluon engine runs GEMM+RS with a consumer partition per warpgroup
-(KernelConfig.wg_partitions).  --fp8: the first_call scenario measures the fp8_step's
+(KernelConfig.wg_partitions).  --packed: the tl kernels with the shards packed into 128x128
+row tiles (KernelConfig.pack_shards; with AO_STEP_DIMS whose S / processes divides 128 into
+two or more, e.g. 256,512,128,2 for nested_step: every rank of the group runs the packed
+kernels, the rank-0 loopback cannot show the other ranks' tiles).  --fp8: the first_call scenario measures the fp8_step's
 program (fp8 matmuls' first call) instead of the bf16 step.
 
 Scenarios:
@@ -842,6 +845,8 @@ def main(argv) -> int:
     os.environ["AO_TEST_FP8"] = "1"
   if "--engine" in argv:  # the workers read it (they inherit the environment)
     os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
+  if "--packed" in argv:  # the tl kernels with packed shards (the workers read it)
+    os.environ["AO_TEST_PACKED"] = "1"
   if "--wg-partitions" in argv:  # GEMM+RS with a consumer partition per warpgroup (gluon)
     if os.environ.get("AO_TEST_ENGINE") != "gluon":
       print("--wg-partitions needs --engine gluon", file=sys.stderr)

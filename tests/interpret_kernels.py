@@ -11,8 +11,8 @@ arms rank 0's counters, then the fused kernel (float16: NumPy has no bfloat16), 
 parity slots); its output and its push into each peer's workspace are compared with the
 unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
 workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
-(KernelConfig.split_tail).  PACK_SHARDS 1: AG with the shards packed into the row tiles
-(KernelConfig.pack_shards).  The interpreter runs the CTAs one after another, so
+(KernelConfig.split_tail).  PACK_SHARDS 1: the shards (AG) or owners' rows (GEMM+RS) packed
+into the row tiles (KernelConfig.pack_shards).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -120,10 +120,10 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   if op == "ag":
     tm, tn, num_comm, num_ctas, tiles = ag_grid(rows, cols, world, cfg, num_sms)
   else:
-    _, tm, tn, num_ctas = rs_grid(rows, cols, world, cfg, num_sms)
-    tiles = world * tm * tn
+    _, tm, tn, num_ctas, tiles = rs_grid(rows, cols, world, cfg, num_sms)
   # what the launchers refuse
-  why = (select.unsupported(rows, kk, cols, np.float16, np.float16, cfg, op)
+  why = (select.unsupported(rows if op == "ag" else rows // world, kk, cols, np.float16,
+                            np.float16, cfg, op)
          or select.split_k_unsupported(cfg, tiles, kk))
   if why:
     raise ValueError(why)
@@ -148,12 +148,12 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
           COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
-          SPLIT_FROM=first_split, PACK=pack(cfg, rows), **consts)
+          SPLIT_FROM=first_split, PACK=pack(cfg, rows, cols, "launch_ag_gemm"), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(partials),
           Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
-          **consts)
+          PACK=pack(cfg, rows // world, cols, "launch_gemm_rs"), **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
     if err > 1e-2:
       problems.append(f"call {call}: output off by {err:.3g}")

@@ -407,7 +407,7 @@ def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
   assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
   rs, _ = select.first_call_candidates("rs", None, 8, (128, 4096, 768), 16, BF16, BF16, "9.0")
-  assert not any(c.pack_shards for c in rs)  # the all-gather only
+  assert [(c.block_m, c.block_n) for c in rs if c.pack_shards] == [(128, 128), (64, 256)]
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
                                           "9.0")
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
@@ -439,7 +439,12 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   assert select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132,
                                     ("tl",))[-3].split_k == 2
   rs = select.small_shape_configs("rs", 8, 16, 4096, 768, BF16, BF16, base, 132)
-  assert rs and not any(c.pack_shards for c in rs)
+  assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
+      (128, 128, 8), (64, 256, 8)]
+  # Llama-3-70B o at TP = 8, 128 tokens: 64 packed tiles, more than the split counters (63)
+  rs = select.small_shape_configs("rs", 8, 16, 1024, 8192, BF16, BF16, base, 132)
+  assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
+      (128, 128, 1), (64, 256, 1)]
   # 24-row shards do not fill 64- or 128-row tiles exactly: nothing packed
   assert not any(c.pack_shards for c in select.small_shape_configs(
       "ag", 8, 24, 4096, 768, BF16, BF16, base, 132))
@@ -539,24 +544,28 @@ def test_fit_reads_only_tl_kernel_records(tmp_path):
   assert [(r["impl"], r["median_ms"]) for r in got] == [("unfused", 0.53), ("ours", 0.40)]
 
 
-def test_packed_shards_need_an_all_gather_whose_shards_fill_the_tiles():
-  """KernelConfig.pack_shards: tl only; the tuner and the launchers refuse it for GEMM+RS and
-  for shards that do not fill a tile's rows exactly, two or more times."""
+def test_packed_shards_need_shards_that_fill_the_tiles():
+  """KernelConfig.pack_shards: tl only; the tuner and the launchers refuse shards (AG) or
+  owners' rows (GEMM+RS) that do not fill a tile's rows exactly, two or more times, and
+  GEMM+RS with more column tiles than the counters of its pushes."""
   from jax_autooverlap.backends import launch
   with pytest.raises(ValueError, match="pack_shards=True needs engine='tl'"):
     KernelConfig(engine="gluon", block_m=64, num_warps=4, pack_shards=True)
   cfg = KernelConfig(block_m=64, block_n=256, pack_shards=True, split_k=4)
-  assert launch.pack(cfg, 16) == 4 and launch.pack(cfg, 32) == 2
-  assert launch.pack(dataclasses.replace(cfg, pack_shards=False), 16) == 1
+  assert launch.pack(cfg, 16, 768, "launch_ag_gemm") == 4
+  assert launch.pack(cfg, 32, 768, "launch_gemm_rs") == 2
+  assert launch.pack(dataclasses.replace(cfg, pack_shards=False), 24, 768, "launch_ag_gemm") == 1
   for rows in (24, 64):
-    assert "fill a tile of block_m=64 rows two or more times" in select.unsupported(
-        rows, 4096, 768, BF16, BF16, cfg, "ag")
-    with pytest.raises(ValueError, match=f"shards whose {rows} rows fill block_m=64"):
-      launch.pack(cfg, rows)
-  assert select.unsupported(16, 4096, 768, BF16, BF16, cfg, "rs") == \
-      "pack_shards is for the all-gather only"
-  with pytest.raises(ValueError, match="launch_gemm_rs: pack_shards=True is for the all-gather"):
-    launch.pack(cfg, 16, "rs")
+    assert select.unsupported(rows, 4096, 768, BF16, BF16, cfg, "ag") == (
+        f"pack_shards needs shards of {rows} rows to fill a tile of block_m=64 rows two or "
+        "more times exactly")
+    with pytest.raises(ValueError, match=f"launch_gemm_rs: pack_shards needs owners' rows of "
+                                         f"{rows} rows to fill"):
+      launch.pack(cfg, rows, 768, "launch_gemm_rs")
+  assert select.unsupported(16, 4096, 64 * 256, BF16, BF16, cfg, "rs") is None
+  assert select.unsupported(16, 4096, 65 * 256, BF16, BF16, cfg, "rs") == (
+      "pack_shards counts GEMM+RS's pushes per column tile, at most 64; N=16640 has 65 of 256")
+  assert select.unsupported(16, 4096, 65 * 256, BF16, BF16, cfg, "ag") is None
   # the own shard's arrival takes the first of the 64 split counters
   assert select.split_counters(cfg) == 63
   assert "at most 63 output tiles" in select.split_k_unsupported(cfg, 64, 4096)

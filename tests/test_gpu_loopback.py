@@ -185,7 +185,7 @@ def test_gluon_push_descriptors_made_per_tile_match_unfused(op, shape, movers, w
     tm, _, num_comm, _, _ = ag_grid(rows, n, world, cfg, sms)
     assert gluon._fewer_than_peers(gluon._push_units(k, world, tm), num_comm, world)
   else:
-    _, tm, tn, ctas = rs_grid(rows, n, world, cfg, sms)
+    _, tm, tn, ctas, _ = rs_grid(rows, n, world, cfg, sms)
     assert gluon._fewer_than_peers((world - 1) * tm * tn, ctas, world)
   loop = lb.Loopback(case, GPUS[0], seed=world + movers)
   res = loop.check(lb.fused_program(case, cfg, sms, poison=True))

@@ -379,6 +379,8 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
   _check_engine(ptx, cfg)
   if cfg.split_k > 1:  # the parts' counter (and finish_call's), the partials read past L1
     assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx
+  elif cfg.pack_shards and op == "rs":  # the peers' partials of the own rows, read past L1
+    assert "ld.global.cg" in ptx
   else:
     assert "ld.global.cg" not in ptx
   _assert_no_spills(ptx, tmp_path)

@@ -37,12 +37,18 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 4, 2, 64, 64, 256, 512, 384, 0, 5),
     ("ag", 8, 3, 64, 64, 512, 512, 512, 0, 9),   # 16 tiles, 9 split in 3, split tiles of 2 sources
     ("rs", 4, 2, 64, 64, 256, 512, 384, 0, 3),
-    # the shards packed into the row tiles (KernelConfig.pack_shards): 16-row shards, 4 per
+    # the shards packed into the row tiles (KernelConfig.pack_shards; rank 0 only: the other
+    # ranks' rotation and own rows run in tests/gpu_two_process.py --packed): 16-row shards, 4 per
     # 64-row tile (two row tiles); 8 per 128-row tile of a group of 4 (half the tile beyond
     # the gathered rows); 32-row shards without split-K
     ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1),
     ("ag", 4, 2, 128, 64, 64, 256, 128, 0, 0, 1),
     ("ag", 8, 1, 128, 128, 256, 512, 256, 0, 0, 1),
+    # the same for GEMM+RS's owners' rows: 16-row owners, split-K (the last part pushes the
+    # peers' rows and sums the own ones); 8 per 128-row tile of a group of 4; ragged columns
+    ("rs", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1),
+    ("rs", 4, 2, 128, 64, 64, 1024, 128, 0, 0, 1),
+    ("rs", 8, 3, 64, 128, 256, 2048, 320, 0, 0, 1),
 ]
 
 
@@ -75,4 +81,4 @@ def test_packed_shards_that_do_not_fill_a_tile_exactly_are_refused():
                          "2", "64", "64", "96", "256", "128", "0", "0", "1"], capture_output=True,
                         text=True, timeout=600, cwd=ROOT)
   assert proc.returncode != 0
-  assert "shards of 24 rows fill a tile of block_m=64 rows" in proc.stderr
+  assert "shards of 24 rows to fill a tile of block_m=64 rows" in proc.stderr

@@ -116,7 +116,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   jt = import_jax_triton()
   m, k = a.shape
   n = b_cols(a, b)
-  m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
+  m_out, tm, tn, num_ctas, _ = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   out, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",

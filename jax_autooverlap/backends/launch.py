@@ -12,7 +12,7 @@ from jax_autooverlap import fp8
 
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
-from jax_autooverlap.tuning.select import fused_tiles, split_k_unsupported
+from jax_autooverlap.tuning.select import fused_tiles, packed_unsupported, split_k_unsupported
 
 
 def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
@@ -96,25 +96,26 @@ def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   return tm, tn, num_comm, min(num_sms, num_comm + work_units(kernel, tiles)), tiles
 
 
-def pack(kernel: KernelConfig, m: int, op: str = "ag") -> int:
-  """Sources per row tile of an AG launch with shards of m rows (kernels/ag_gemm.py PACK);
-  ValueError where the config packs shards that do not fill its tiles exactly, or packs
-  GEMM+RS's (op "rs")."""
+def pack(kernel: KernelConfig, rows: int, n: int, what: str) -> int:
+  """Shards (AG) or owners (GEMM+RS) of `rows` rows per row tile of a launch with N = n
+  (kernels/ag_gemm.py, gemm_rs.py PACK); ValueError, naming the launcher `what`, where the
+  config's packing cannot run it (select.packed_unsupported)."""
   if not kernel.pack_shards:
     return 1
-  if op != "ag" or kernel.block_m % m or kernel.block_m < 2 * m:
-    raise ValueError(f"launch_{'ag_gemm' if op == 'ag' else 'gemm_rs'}: pack_shards=True "
-                     + (f"needs shards whose {m} rows fill block_m={kernel.block_m} rows two or "
-                        "more times exactly" if op == "ag" else "is for the all-gather only"))
-  return kernel.block_m // m
+  why = packed_unsupported(kernel, rows, n, "ag" if "ag" in what else "rs")
+  if why:
+    raise ValueError(f"{what}: {why}")
+  return kernel.block_m // rows
 
 
 def rs_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
-  """(rows out, row tiles of an owner, column tiles, CTAs) of a GEMM+RS launch (both engines;
-  split-K: a work unit per part of a tile)."""
+  """(rows out, row tiles of an owner, column tiles, CTAs, output tiles) of a GEMM+RS launch
+  (both engines; split-K: a work unit per part of a tile; pack_shards: the tiles cover every
+  owner's rows, several owners per row tile)."""
   m_out = m // world
   tm, tn = math.ceil(m_out / kernel.block_m), math.ceil(n / kernel.block_n)
-  return m_out, tm, tn, min(num_sms, work_units(kernel, world * tm * tn))
+  tiles = fused_tiles(world, m_out, n, kernel)
+  return m_out, tm, tn, min(num_sms, work_units(kernel, tiles)), tiles
 
 
 def b_cols(a, b) -> int:

@@ -88,7 +88,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
-      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, m),
+      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, m, n, "launch_ag_gemm"),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, gathered) if return_gathered else out
 
@@ -151,21 +151,21 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                                 workspace_bytes=workspace_bytes)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
-  pack(kernel, a.shape[0], "rs")  # refuses packed shards
 
   m, k = a.shape
   n = b_cols(a, b)
-  m_out, tm, tn, num_ctas = rs_grid(m, n, world, kernel, num_sms)
+  m_out, tm, tn, num_ctas, tiles = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   out, _, _ = jt.triton_call(
       a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype),
-                partials_type(kernel, world * tm * tn, k, "launch_gemm_rs"),
+                partials_type(kernel, tiles, k, "launch_gemm_rs"),
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, world * tm * tn),
+      M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, tiles),
+      PACK=pack(kernel, m_out, n, "launch_gemm_rs"),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return out
 

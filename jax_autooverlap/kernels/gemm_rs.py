@@ -24,6 +24,16 @@ stores have drained and the release is cheap.  Pending releases are always
 issued before any wait, so two GPUs can never wait on each other's held
 signals.
 
+With PACK > 1 (KernelConfig.pack_shards: owners of M / WORLD = BLOCK_M / PACK rows) a row
+tile is PACK owners' rows, so B is read once per PACK owners.  Tiles go out in one order on
+every GPU (row tile by row tile); a finished tile pushes each peer owner's rows (one store,
+a destination per row) and signals it at once on the counter of its column tile; the tile
+holding this GPU's own rows then waits for every peer's push of that column tile and sums
+the partials into them in rank order.  Every tile pushes before it waits and every GPU hands
+tiles out in the same order, so the lowest tile any GPU waits for has been pushed everywhere
+(deadlock-free without the own-rows-last order).  The split counters start at the second
+of the own row's counters, as in kernels/ag_gemm.py.
+
 fp8 operands (e4m3/e5m2, any pairing): b comes K-major as [N, K] (wgmma reads
 fp8 B K-major only); each partial is multiplied by this GPU's scale
 (sync.epilogue_scale) in f32 before it is pushed or summed.
@@ -67,7 +77,7 @@ def gemm_rs_kernel(
     BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     FLAG_BLOCK: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
-    SPLIT_FROM: tl.constexpr,
+    SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
   FP8: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
@@ -106,44 +116,86 @@ def gemm_rs_kernel(
 
   pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
+  counters = my_flags + rank * MAX_CHUNKS + (1 if PACK > 1 else 0)  # split-K's
+  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
+  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_OWNER
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  WORK: tl.constexpr = SPLIT_FROM + (WORLD * PER_OWNER - SPLIT_FROM) * SPLIT_K
-  while u < WORK:
-    t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
-    j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
-    owner = (rank + 1 + j) % WORLD
-    row0 = owner * M_OUT + tm * BLOCK_M
-    acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
-                                    partials_ptr, my_flags + rank * MAX_CHUNKS, SPLIT_FROM, K,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
-    if pending != 0:
-      signal_add(pending_flag, 1)
-      pending = tl.full([], 0, tl.int32)
-    c = tm // TILES_PER_CHUNK
-    if finish:  # else another part of this tile finishes it
-      if owner != rank:
-        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs = (rows[:, None] * N
-                + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :])
-        mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
-        peer_ws = table_address(table_ptr, owner)
-        slot = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
-            tl.pointer_type(out_dtype)) + rank.to(tl.int64) * SLOT
-        tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
-        pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
-            + (parity * WORLD + rank) * MAX_CHUNKS + c
-        pending = tl.full([], 1, tl.int32)
-      else:
-        expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
-        # summed into acc in place (a second f32 tile beside it spilled: 264 bytes per thread)
-        for r in tl.static_range(WORLD):
-          if r != rank:
-            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
-                          TIMEOUT_NS)
-            acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
-    u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
+  if PACK > 1:
+    while u < WORK:
+      t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
+      pt = t // TN
+      tn = t % TN
+      acc, finish = split_k.tile_part(a_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part, scale,
+                                      partials_ptr, counters, SPLIT_FROM, K, BLOCK_M, BLOCK_N,
+                                      BLOCK_K, SPLIT_K, FP8)
+      if finish:  # else another part of this tile finishes it
+        rows = tl.arange(0, BLOCK_M)
+        cols = tn * BLOCK_N + tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N),
+                                                BLOCK_N)
+        owner = pt * PACK + rows // M_OUT  # of each row of the tile
+        r_out = rows % M_OUT
+        # the peers' rows, each to its owner's slot for this rank
+        dest = (table_address(table_ptr, tl.minimum(owner, WORLD - 1)) + BUF_OFF
+                + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(out_dtype)) \
+            + rank.to(tl.int64) * SLOT + r_out * N
+        remote = (owner != rank) & (owner < WORLD)
+        tl.store(dest[:, None] + cols[None, :], acc.to(out_dtype),
+                 mask=remote[:, None] & (cols[None, :] < N))
+        for j in tl.static_range(PACK):
+          o = pt * PACK + j
+          if (o < WORLD) & (o != rank):
+            signal_add((table_address(table_ptr, o) + FLAGS_OFF).to(tl.pointer_type(tl.int32))
+                       + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1)
+        if pt == rank // PACK:  # this GPU's own rows: the peers' partials, in rank order
+          own = owner == rank
+          for r in tl.static_range(WORLD):
+            if r != rank:
+              wait_at_least(my_flags + r * MAX_CHUNKS + tn, 1, err_slot, OP_ID, rank, r, tn,
+                            TIMEOUT_NS)
+              src = my_slots + r * SLOT + r_out * N
+              acc += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg",
+                             mask=own[:, None] & (cols[None, :] < N), other=0.0).to(tl.float32)
+          tl.store(out_ptr + (r_out * N)[:, None] + cols[None, :], acc.to(out_dtype),
+                   mask=own[:, None] & (cols[None, :] < N))
+      u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  else:
+    while u < WORK:
+      t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
+      j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+      owner = (rank + 1 + j) % WORLD
+      row0 = owner * M_OUT + tm * BLOCK_M
+      acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                      partials_ptr, counters, SPLIT_FROM, K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+      if pending != 0:
+        signal_add(pending_flag, 1)
+        pending = tl.full([], 0, tl.int32)
+      c = tm // TILES_PER_CHUNK
+      if finish:  # else another part of this tile finishes it
+        if owner != rank:
+          rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+          cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+          offs = (rows[:, None] * N
+                  + tl.max_contiguous(tl.multiple_of(cols, BLOCK_N), BLOCK_N)[None, :])
+          mask = (rows[:, None] < M_OUT) & (cols[None, :] < N)
+          peer_ws = table_address(table_ptr, owner)
+          slot = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
+              tl.pointer_type(out_dtype)) + rank.to(tl.int64) * SLOT
+          tl.store(tl.multiple_of(slot, 16) + offs, acc.to(out_dtype), mask=mask)
+          pending_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
+              + (parity * WORLD + rank) * MAX_CHUNKS + c
+          pending = tl.full([], 1, tl.int32)
+        else:
+          expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
+          # summed into acc in place (a second f32 tile beside it spilled: 264 bytes per thread)
+          for r in tl.static_range(WORLD):
+            if r != rank:
+              wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
+                            TIMEOUT_NS)
+              acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+          o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
+      u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   if pending != 0:
     signal_add(pending_flag, 1)
 

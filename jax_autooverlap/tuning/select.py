@@ -131,14 +131,29 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
       return f"K={k} must be a multiple of the fp8 K tile {cfg.block_k}"
     if cfg.block_k * dt.itemsize < 32:
       return f"fp8 wgmma needs K tiles of at least 32 (block_k={cfg.block_k})"
-  if cfg.pack_shards and (op != "ag" or cfg.block_m % m_shard or cfg.block_m < 2 * m_shard):
-    return (f"pack_shards needs an all-gather whose shards of {m_shard} rows fill a tile of "
-            f"block_m={cfg.block_m} rows two or more times exactly" if op == "ag" else
-            "pack_shards is for the all-gather only")
+  why = packed_unsupported(cfg, m_shard, n, op)
+  if why:
+    return why
   if cfg.engine == "gluon" and dt.itemsize > 2:
     return f"the gluon engine takes 16-bit and fp8 operands (wgmma), not {dt.name}"
   if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
     return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
+  return None
+
+
+def packed_unsupported(cfg: KernelConfig, rows: int, n: int, op: str) -> str | None:
+  """Why `cfg`'s packed shards (pack_shards) cannot run shards (AG) or owners' rows (GEMM+RS)
+  of `rows` rows with N = n, or None: they must fill a tile's rows exactly, two or more
+  times; GEMM+RS counts each peer's push per column tile, on MAX_CHUNKS counters."""
+  if not cfg.pack_shards:
+    return None
+  what = "shards" if op == "ag" else "owners' rows"
+  if cfg.block_m % rows or cfg.block_m < 2 * rows:
+    return (f"pack_shards needs {what} of {rows} rows to fill a tile of block_m={cfg.block_m} "
+            "rows two or more times exactly")
+  if op == "rs" and math.ceil(n / cfg.block_n) > cost_model.MAX_CHUNKS:
+    return (f"pack_shards counts GEMM+RS's pushes per column tile, at most "
+            f"{cost_model.MAX_CHUNKS}; N={n} has {math.ceil(n / cfg.block_n)} of {cfg.block_n}")
   return None
 
 
@@ -152,7 +167,8 @@ def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
 
 def split_counters(cfg: KernelConfig) -> int:
   """The split-K counters of a call: its own row of MAX_CHUNKS arrival counters, less the
-  first with pack_shards (the own shard's copy arrives there: kernels/ag_gemm.py)."""
+  first with pack_shards (AG: the own shard's copy arrives there, kernels/ag_gemm.py; GEMM+RS
+  leaves it alike)."""
   return cost_model.MAX_CHUNKS - (1 if cfg.pack_shards else 0)
 
 
@@ -201,11 +217,11 @@ def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
 
 def packed_configs(world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
                    num_sms: int = NUM_SMS) -> list[KernelConfig]:
-  """AG on `tl` with the shards packed into the row tiles (KernelConfig.pack_shards) and
-  split-K over the SMs, for shards of fewer rows than a tile: one config per tile of
-  PACKED_TILES whose rows shard_rows divides (at least two shards per tile).  At M = 128
-  on 8 GPUs (16-row shards) the 64-row tiles of one source each read B 8 times per call
-  and are three quarters empty; 128-row packed tiles read it once."""
+  """`tl` with the shards (AG) or owners' rows (GEMM+RS) packed into the row tiles
+  (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
+  one config per tile of PACKED_TILES whose rows shard_rows divides (at least two shards per
+  tile).  At M = 128 on 8 GPUs (16-row shards) the 64-row tiles of one source or owner each
+  read B 8 times per call and are three quarters empty; 128-row packed tiles read it once."""
   out = []
   for bm, bn in PACKED_TILES:
     if bm % shard_rows or bm < 2 * shard_rows:
@@ -215,6 +231,8 @@ def packed_configs(world: int, shard_rows: int, k: int, n: int, base: KernelConf
                               split_k=1, split_tail=0)
     tiles = fused_tiles(world, shard_rows, n, cfg)
     split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
+    if tiles > split_counters(cfg):  # too many tiles to count their parts: whole tiles
+      split = 1
     out.append(dataclasses.replace(cfg, split_k=max(split, 1)))
   return out
 
@@ -258,7 +276,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
       if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
         out.append(cfg)
         break
-  if "tl" in engines and op == "ag":
+  if "tl" in engines:
     out += [c for c in packed_configs(world, shard_rows, k, n, base, num_sms) if fits(c)]
   tail = tail_split_config(op, world, shard_rows, k, n, base, num_sms) if "tl" in engines else None
   return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
