@@ -870,15 +870,21 @@ def main(argv) -> int:
             for w in worlds}
   batches = phases if "--parallel" in argv else [[r] for phase in phases for r in phase]
   checks, tails, info = [], [], []
+  not_run = lambda run, world, why: {"scenario": f"{run} x{world}", "process": "-", "ok": False,
+                                     "check": "not run", "detail": why}
+  first_not_run = set()  # group sizes whose first_call run did not start: no second run
   for b, batch in enumerate(batches):
     left = deadline - time.monotonic() - 60 * (len(batches) - 1 - b)  # 60 s for each one after
     if left < 30:
-      checks += [{"scenario": f"{run} x{world}", "process": "-", "ok": False, "check": "not run",
-                  "detail": f"--budget-s {budget:g} spent"} for run, world in batch]
+      checks += [not_run(run, world, f"--budget-s {budget:g} spent") for run, world in batch]
+      first_not_run |= {world for run, world in batch if run == "first_call"}
       continue
+    again = [(run, world) for run, world in batch
+             if run == "first_call_again" and world in first_not_run]
+    checks += [not_run(run, world, "its first run did not run") for run, world in again]
     started = [Run(run, world, caches[world] if run.startswith("first_call") else {}, left,
                    timeout)
-               for run, world in batch]
+               for run, world in batch if (run, world) not in again]
     for run in started:
       c, t, i = run.finish()
       checks, info = checks + c, info + i

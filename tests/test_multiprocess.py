@@ -495,3 +495,29 @@ def test_va_agreement_moves_above_every_reservation_when_the_highest_is_taken():
   assert base % symmetric.VA_HINT_ALIGN == 0
   assert state.ranges == [base] and base in peer.reserved
   state.release()
+
+
+def test_gpu_harness_skips_a_second_first_call_run_whose_first_did_not_run(monkeypatch, capsys):
+  """tests/gpu_two_process.py with a budget that leaves no time for the first run of the group
+  of 8: its second run (which would measure what the first should have) is "not run" too,
+  not a run whose checks fail for that reason; the group of 4 runs both."""
+  sys.path.insert(0, os.path.dirname(__file__))
+  import gpu_two_process as harness
+  started = []
+
+  class FakeRun:
+    def __init__(self, scenario, world, env_extra=None, budget_s=0.0, timeout_s=None):
+      started.append((scenario, world))
+      self.scenario, self.world = scenario, world
+
+    def finish(self):
+      return [{"scenario": f"{self.scenario} x{self.world}", "process": 0, "ok": True,
+               "check": "ran", "detail": ""}], "", []
+
+  monkeypatch.setattr(harness, "Run", FakeRun)
+  # batches: first_call x8, x4, then first_call_again x8, x4; 60 s kept for each one after
+  assert harness.main(["--scenario", "first_call", "--world", "8,4", "--budget-s", "200"]) == 1
+  assert started == [("first_call", 4), ("first_call_again", 4)]
+  out = capsys.readouterr().out
+  assert "first_call x8          -        FAIL    not run  [--budget-s 200 spent]" in out
+  assert "first_call_again x8    -        FAIL    not run  [its first run did not run]" in out
