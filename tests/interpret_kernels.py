@@ -1,7 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
     TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
-        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS]]]]
+        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS [RANK]]]]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -12,7 +12,9 @@ parity slots); its output and its push into each peer's workspace are compared w
 unfused result.  SPARE: bytes the workspaces have beyond what the call needs (a grown
 workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
 (KernelConfig.split_tail).  PACK_SHARDS 1: the shards (AG) or owners' rows (GEMM+RS) packed
-into the row tiles (KernelConfig.pack_shards).  The interpreter runs the CTAs one after another, so
+into the row tiles (KernelConfig.pack_shards).  RANK: the kernel runs as that rank of the
+group (default 0; the peers' pieces and counters made here, not by the benchmark's
+fixture).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -89,14 +91,36 @@ def _buffer(nbytes, align=4096):
   return raw[start:start + nbytes]
 
 
+def _references(case, rank, a, b, pieces):
+  """(output, {peer: what `rank` pushes into its slot of that peer's workspace}) of the unfused
+  computation in f32; pieces: {src: its piece} for every src but `rank` (AG: its shard; GEMM+RS:
+  its partial of rank's output rows, summed in rank order after rank's own, as the kernels do)."""
+  a, b = a.astype(np.float32), b.astype(np.float32)
+  others = [r for r in range(case.world) if r != rank]
+  if case.op == "ag":
+    gathered = np.concatenate([a if src == rank else pieces[src].astype(np.float32)
+                               for src in range(case.world)])
+    return gathered @ b, {r: a for r in others}
+  rows = case.m // case.world
+  partial = (a @ b).astype(np.float16).astype(np.float32)
+  out = partial[rank * rows:(rank + 1) * rows].copy()
+  for src in others:
+    out += pieces[src].astype(np.float32)
+  return out, {r: partial[r * rows:(r + 1) * rows] for r in others}
+
+
 def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pack_shards=False,
-        num_sms=16):
+        rank=0, num_sms=16):
+  """Rank `rank` of a loopback group: rank 0 with the loopback benchmark's own fixture
+  (bench/loopback/fixture.py and its set-up kernel), another rank with the same layout made
+  here (its workspace at that rank's place in the table, its peers' pieces in the slots of
+  every other source, their counters armed on the host)."""
   from jax_autooverlap.backends.launch import (ag_grid, kernel_constants, pack, partials_type,
                                                rs_grid, split_from)
   from jax_autooverlap.bench.loopback import fixture
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
-  from jax_autooverlap.kernels.loopback import loopback_arm_kernel
+  from jax_autooverlap.kernels.loopback import ARMED, loopback_arm_kernel
   from jax_autooverlap.runtime import workspace
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import KernelConfig
@@ -104,18 +128,28 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
                      num_comm=2, split_k=split_k, split_tail=split_tail,
                      pack_shards=pack_shards)
+  if not 0 <= rank < world:
+    raise ValueError(f"rank {rank} is not in a group of {world}")
   rng = np.random.default_rng(world * 100 + split_k)
   a = rng.standard_normal(case.a_shape).astype(np.float16)
   b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[0])).astype(np.float16)
-  peers = [rng.standard_normal(case.piece_shape).astype(np.float16) for _ in range(world - 1)]
-  ws0 = _buffer(fixture.workspace_bytes(case))
-  ws0[:] = fixture.rank0_workspace(case, peers)
+  others = [r for r in range(world) if r != rank]
+  pieces = {src: rng.standard_normal(case.piece_shape).astype(np.float16) for src in others}
+  ws0 = _buffer(fixture.workspace_bytes(case))  # this rank's workspace
   peer_ws = _buffer((world - 1) * fixture.peer_stride(case))
-  table = fixture.address_table(fixture.group_addresses(case, ws0.ctypes.data,
-                                                        peer_ws.ctypes.data))
-  want_out, want_pushes = fixture.references(case, a.astype(np.float32), b.astype(np.float32),
-                                             [p.astype(np.float32) for p in peers])
-  rank = np.zeros(1, np.int32)
+  if rank == 0:
+    ws0[:] = fixture.rank0_workspace(case, [pieces[src] for src in others])
+  for src in others if rank else ():
+    raw = pieces[src].view(np.uint8).reshape(-1)
+    for parity in (0, 1):
+      off = fixture.piece_offset(case, parity, src)
+      ws0[off:off + raw.size] = raw
+  peer_address = {r: peer_ws.ctypes.data + i * fixture.peer_stride(case)
+                  for i, r in enumerate(others)}
+  table = fixture.address_table([ws0.ctypes.data if r == rank else peer_address[r]
+                                 for r in range(world)])
+  want_out, want_pushes = _references(case, rank, a, b, pieces)
+  rank_arg = np.full(1, rank, np.int32)
   rows, kk, cols = case.a_shape[0], case.a_shape[1], case.b_shape[1]
   if op == "ag":
     tm, tn, num_comm, num_ctas, tiles = ag_grid(rows, cols, world, cfg, num_sms)
@@ -132,41 +166,46 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   partials = np.zeros(partials_type(cfg, tiles, kk, "interpret").shape, np.float32)
   first_split = split_from(cfg, tiles)
   scratch = np.zeros(num_ctas * 1024, np.uint8)
+  n_flags = 2 * world * workspace.MAX_CHUNKS
+  flags = ws0[workspace.FLAGS_OFFSET:workspace.FLAGS_OFFSET + 4 * n_flags].view(np.int32)
   problems = []
   for call in range(2):
-    n_flags = 2 * world * workspace.MAX_CHUNKS
-    arm_block = 1 << (max(table.size, n_flags) - 1).bit_length()
-    table_out = np.zeros_like(table)
-    loopback_arm_kernel[(1,)](Host(table), Host(table_out), TABLE_LEN=table.size, WORLD=world,
-                              FLAGS_OFF=workspace.FLAGS_OFFSET, MAX_CHUNKS=workspace.MAX_CHUNKS,
-                              BLOCK=arm_block)
+    if rank == 0:
+      arm_block = 1 << (max(table.size, n_flags) - 1).bit_length()
+      table_out = np.zeros_like(table)
+      loopback_arm_kernel[(1,)](Host(table), Host(table_out), TABLE_LEN=table.size, WORLD=world,
+                                FLAGS_OFF=workspace.FLAGS_OFFSET,
+                                MAX_CHUNKS=workspace.MAX_CHUNKS, BLOCK=arm_block)
+    else:  # what the set-up kernel does for rank 0: every other source's counters armed
+      table_out = table
+      flags.reshape(2, world, workspace.MAX_CHUNKS)[:, others] = ARMED.value
     parity = int(ws0[:4].view(np.int32)[0]) % 2
     out = np.zeros(case.out_shape, np.float16)
     if op == "ag":
       gathered = np.zeros(16, np.float16)
       ag_gemm_kernel[(num_ctas,)](
-          Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(gathered),
+          Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
           COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
           SPLIT_FROM=first_split, PACK=pack(cfg, rows, cols, "launch_ag_gemm"), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
-          Host(a), Host(b), Host(table_out), Host(rank), Host(out), Host(partials),
+          Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(partials),
           Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
           PACK=pack(cfg, rows // world, cols, "launch_gemm_rs"), **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
     if err > 1e-2:
       problems.append(f"call {call}: output off by {err:.3g}")
-    for r, want in enumerate(want_pushes, start=1):
-      off = (r - 1) * fixture.peer_stride(case) + fixture.piece_offset(case, parity, 0)
+    for i, r in enumerate(others):
+      want = want_pushes[r]
+      off = i * fixture.peer_stride(case) + fixture.piece_offset(case, parity, rank)
       pushed = peer_ws[off:off + fixture.piece_bytes(case)].view(np.float16).reshape(
           case.piece_shape).astype(np.float32)
       perr = np.abs(pushed - want).max() / max(np.abs(want).max(), 1e-6)
       if perr > 1e-2:
         problems.append(f"call {call}: push to peer {r} off by {perr:.3g}")
     header = ws0[:16].view(np.int32)
-    flags = ws0[workspace.FLAGS_OFFSET:workspace.FLAGS_OFFSET + 4 * n_flags].view(np.int32)
-    own = flags.reshape(2, world, workspace.MAX_CHUNKS)[parity, 0]
+    own = flags.reshape(2, world, workspace.MAX_CHUNKS)[parity, rank]
     if header[0] != call + 1 or header[1] != 0 or header[2 + parity] != 0 or own.any():
       problems.append(f"call {call}: epoch {header[0]}, done {header[1]}, tile counter "
                       f"{header[2 + parity]}, own split counters {np.count_nonzero(own)} "
@@ -180,7 +219,9 @@ def main(argv):
   spare = int(argv[8]) if len(argv) > 8 else 0
   split_tail = int(argv[9]) if len(argv) > 9 else 0
   pack_shards = len(argv) > 10 and argv[10] == "1"
-  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail, pack_shards)
+  rank = int(argv[11]) if len(argv) > 11 else 0
+  problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail, pack_shards,
+                 rank)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

@@ -1,9 +1,9 @@
 """The `tl` fused kernels executed on the CPU by Triton's interpreter (tests/interpret_kernels.py)
-as rank 0 of loopback groups of 2, 4 and 8: output and pushes against the unfused result, the
-counters zero after each of two calls; with and without split-K (kernels/split_k.py; of every
-tile or of the last ones only), full and ragged tiles, shards packed into the row tiles,
-workspaces sized for the call and grown beyond it.  What they compute, not how
-CTAs or GPUs order memory (that is for the GPU tests).
+as rank 0 (and a few other ranks) of loopback groups of 2, 4 and 8: output and pushes against
+the unfused result, the counters zero after each of two calls; with and without split-K
+(kernels/split_k.py; of every tile or of the last ones only), full and ragged tiles, shards
+packed into the row tiles, workspaces sized for the call and grown beyond it.  What they
+compute, not how CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
 import subprocess
@@ -37,8 +37,7 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 4, 2, 64, 64, 256, 512, 384, 0, 5),
     ("ag", 8, 3, 64, 64, 512, 512, 512, 0, 9),   # 16 tiles, 9 split in 3, split tiles of 2 sources
     ("rs", 4, 2, 64, 64, 256, 512, 384, 0, 3),
-    # the shards packed into the row tiles (KernelConfig.pack_shards; rank 0 only: the other
-    # ranks' rotation and own rows run in tests/gpu_two_process.py --packed): 16-row shards, 4 per
+    # the shards packed into the row tiles (KernelConfig.pack_shards): 16-row shards, 4 per
     # 64-row tile (two row tiles); 8 per 128-row tile of a group of 4 (half the tile beyond
     # the gathered rows); 32-row shards without split-K
     ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1),
@@ -49,13 +48,21 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("rs", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1),
     ("rs", 4, 2, 128, 64, 64, 1024, 128, 0, 0, 1),
     ("rs", 8, 3, 64, 128, 256, 2048, 320, 0, 0, 1),
+    # as another rank than 0: the order of sources and owners, the own shard's or rows' place
+    ("ag", 4, 1, 64, 64, 256, 512, 384, 0, 0, 0, 2),
+    ("rs", 4, 2, 64, 64, 256, 512, 384, 0, 0, 0, 3),
+    ("ag", 8, 3, 64, 64, 512, 512, 512, 0, 9, 0, 6),
+    ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1, 5),   # packed: its own row tile is the second
+    ("rs", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1, 5),
+    ("ag", 4, 2, 128, 64, 64, 256, 128, 0, 0, 1, 3),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}-w{}-k{}-{}x{}-{}x{}x{}".format(*c)
                          + (f"-spare{c[8]}" if len(c) > 8 and c[8] else "")
                          + (f"-tail{c[9]}" if len(c) > 9 and c[9] else "")
-                         + ("-packed" if len(c) > 10 and c[10] else ""))
+                         + ("-packed" if len(c) > 10 and c[10] else "")
+                         + (f"-rank{c[11]}" if len(c) > 11 else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,
