@@ -122,7 +122,12 @@ def list_configs() -> list:
       fixed = set(select.default_candidates(e.op, w, bf16, select.GLUON_CAPABILITY))
       cands, _ = select.first_call_candidates(e.op, model, w, sizes, rows, bf16, bf16,
                                               select.GLUON_CAPABILITY)
-      for cfg in cands:
+      base = select.default_kernel(bf16) if not cands else next(
+          (c for c in cands if c.engine == "tl"), cands[0])
+      # the packed configs the loopback benchmark times (not yet a first call's: FIRST_CALL_PACKED)
+      packed = [c for c in select.small_shape_configs(e.op, w, rows, k, n, bf16, bf16, base)
+                if c.pack_shards]
+      for cfg in list(cands) + packed:
         small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1
         if small and cfg not in fixed and (e.op, cfg, w) not in seen:
           seen.add((e.op, cfg, w))
