@@ -17,6 +17,9 @@
 #                         config's first-call measurement, run twice on one cache per group;
 #                         bounded by FIRST_CALL_BUDGET_S (default 270); the table last;
 #                         FIRST_CALL_SERIAL=1: one group size after the other
+#   two-process           tests/gpu_two_process.py with HARNESS_ARGS (split like BENCH_ARGS; e.g.
+#                         "--scenario nested_step --packed --world 8,4,2"; AO_STEP_DIMS passed on),
+#                         bounded by HARNESS_TIMEOUT (default 330)
 #   any/path.py           a Python script run in the same environment (experiments)
 # TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
 # Logs and JSON go to $OUT (returned as $OUT/all.tgz); each step is bounded by `timeout`.
@@ -35,6 +38,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 } 2>&1 | tee "$OUT/machine.log"
 eval "test_args=(${TEST_ARGS:-})" && eval "bench_args=(${BENCH_ARGS:-})" || exit 2
 eval "shapes_args=(${SHAPES_ARGS:-})" || exit 2
+eval "harness_args=(${HARNESS_ARGS:-})" || exit 2
 rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
@@ -69,6 +73,9 @@ for step in "$@"; do
         $([[ -n ${FIRST_CALL_SERIAL:-} ]] || echo --parallel) \
         --scenario first_call --world "${WORLDS:-8,4,2}" --budget-s "${FIRST_CALL_BUDGET_S:-270}" \
         --log "$OUT/first-call.log" 2>&1 | tee "$OUT/first-call.stdout" | tail -40 ;;
+    two-process)
+      timeout ${HARNESS_TIMEOUT:-330} python3 tests/gpu_two_process.py "${harness_args[@]}" \
+        --log "$OUT/two-process.log" 2>&1 | tee "$OUT/two-process.stdout" | tail -40 ;;
     *.py)
       timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;
