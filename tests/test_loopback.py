@@ -456,10 +456,11 @@ def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():
     fixture.Case("ag", 64, 128, 96, spare=-1)
 
 
-def test_warm_lowerings_traces_the_programs_concurrently_and_leaves_failures_to_their_calls(
+def test_warm_compiles_compiles_the_programs_concurrently_and_leaves_failures_to_their_calls(
     monkeypatch):
-  """bench/common.warm_lowerings: every program lowered (traced) in threads at once (three
-  traces meet at a barrier one thread would never pass); one that fails raises nothing here."""
+  """bench/common.warm_compiles: every program lowered (traced) in threads at once (three
+  traces meet at a barrier one thread would never pass) and compiled, so that its call with
+  fresh arguments of the same types compiles nothing; one that fails raises nothing here."""
   import os
   import threading
   monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -477,11 +478,22 @@ def test_warm_lowerings_traces_the_programs_concurrently_and_leaves_failures_to_
       return x * i
     return jax.jit(body)
   x = jnp.ones(4)
-  common.warm_lowerings([(make(i), (x,)) for i in range(3)], threads=3)
+  programs = [make(i) for i in range(3)]
+  common.warm_compiles([(p, (x,)) for p in programs], threads=3)
   assert sorted(traced) == [0, 1, 2]
+  compiles = []
+  listen = lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None
+  fresh = jnp.arange(4.0) + 1  # another array of the same type, made before listening
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    outs = [programs[i](fresh) for i in (0, 1)]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == [] and sorted(traced) == [0, 1, 2]  # neither traced nor compiled again
+  np.testing.assert_array_equal(np.asarray(outs[1]), np.arange(4.0) + 1)
 
 
-def test_warm_lowerings_imports_the_kernels_before_its_threads():
+def test_warm_compiles_imports_the_kernels_before_its_threads():
   """Lowerings in threads must not be Triton's first import: its modules import each other in
   cycles, and a racing thread got a half-initialised `triton` (no attribute 'runtime') in a
   first call on the GPU.  A fresh interpreter whose 'lowerings' import the kernel modules."""
@@ -503,7 +515,7 @@ class Lowering:
     except Exception as e:
       errors.append(repr(e))
 names = ["ag_gemm", "gemm_rs", "split_k", "gluon_engine", "gluon_gemm_rs", "sync"] * 2
-common.warm_lowerings([(Lowering(n), ()) for n in names], threads=8)
+common.warm_compiles([(Lowering(n), ()) for n in names], threads=8)
 print(errors)
 assert not errors
 """

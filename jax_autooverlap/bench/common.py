@@ -30,18 +30,21 @@ def versions() -> dict:
   return out
 
 
-def warm_lowerings(programs, threads: int = 8) -> None:
-  """Lower every (jit function, args) of `programs`, up to `threads` at once.  Lowering a fused
-  kernel's program compiles the kernel with Triton, mostly outside the GIL, and jax-triton keeps
-  the binary for the calls that follow, which then only re-lower and compile with XLA.  A
-  lowering that fails is left for that call to report (the benchmarks log it there)."""
+def warm_compiles(programs, threads: int = 8) -> None:
+  """Lower and compile every (jit function, args) of `programs`, up to `threads` at once.
+  Lowering a fused kernel's program compiles the kernel with Triton, and compiling it runs
+  XLA, both mostly outside the GIL; JAX keeps the executable for the calls that follow with
+  arguments of the same types (a check's fresh inputs, the timing).  The shape list spent
+  ~0.7 s per variant in its check, most of it this compile, one variant after the other
+  (sixth round).  A program that fails is left for its call to report (the benchmarks log it
+  there)."""
   from jax_autooverlap import backends
   from jax_autooverlap.tuning.autotune import in_threads
 
   def lower(item):
     fn, args = item
     try:
-      fn.lower(*args)
+      fn.lower(*args).compile()
     except Exception:  # noqa: BLE001 - the program's own call raises it again, and logs it
       pass
   backends.load_kernels()  # first imports racing in threads see half-initialised modules

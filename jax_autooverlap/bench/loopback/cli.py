@@ -156,7 +156,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   num_sms = cuda.sm_count(device.local_hardware_id)
   variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call)
   programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
-  common.warm_lowerings((p, lb.fused_args()) for p in programs.values())  # Triton, in threads
+  common.warm_compiles((p, lb.fused_args()) for p in programs.values())  # Triton, XLA: threads
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
