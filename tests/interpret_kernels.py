@@ -187,12 +187,12 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
           Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
           COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
-          SPLIT_FROM=first_split, PACK=pack(cfg, rows, cols, "launch_ag_gemm"), **consts)
+          SPLIT_FROM=first_split, PACK=pack(cfg, "ag", rows, cols), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(partials),
           Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
-          PACK=pack(cfg, rows // world, cols, "launch_gemm_rs"), **consts)
+          PACK=pack(cfg, "rs", rows // world, cols), **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
     if err > 1e-2:
       problems.append(f"call {call}: output off by {err:.3g}")

@@ -558,16 +558,16 @@ def test_packed_shards_need_shards_that_fill_the_tiles():
   with pytest.raises(ValueError, match="pack_shards=True needs engine='tl'"):
     KernelConfig(engine="gluon", block_m=64, num_warps=4, pack_shards=True)
   cfg = KernelConfig(block_m=64, block_n=256, pack_shards=True, split_k=4)
-  assert launch.pack(cfg, 16, 768, "launch_ag_gemm") == 4
-  assert launch.pack(cfg, 32, 768, "launch_gemm_rs") == 2
-  assert launch.pack(dataclasses.replace(cfg, pack_shards=False), 24, 768, "launch_ag_gemm") == 1
+  assert launch.pack(cfg, "ag", 16, 768) == 4
+  assert launch.pack(cfg, "rs", 32, 768) == 2
+  assert launch.pack(dataclasses.replace(cfg, pack_shards=False), "ag", 24, 768) == 1
   for rows in (24, 64):
     assert select.unsupported(rows, 4096, 768, BF16, BF16, cfg, "ag") == (
         f"pack_shards needs shards of {rows} rows to fill a tile of block_m=64 rows two or "
         "more times exactly")
     with pytest.raises(ValueError, match=f"launch_gemm_rs: pack_shards needs owners' rows of "
                                          f"{rows} rows to fill"):
-      launch.pack(cfg, rows, 768, "launch_gemm_rs")
+      launch.pack(cfg, "rs", rows, 768)
   assert select.unsupported(16, 4096, 64 * 256, BF16, BF16, cfg, "rs") is None
   assert select.unsupported(16, 4096, 65 * 256, BF16, BF16, cfg, "rs") == (
       "pack_shards counts GEMM+RS's pushes per column tile, at most 64; N=16640 has 65 of 256")

@@ -96,15 +96,15 @@ def ag_grid(m: int, n: int, world: int, kernel: KernelConfig, num_sms: int):
   return tm, tn, num_comm, min(num_sms, num_comm + work_units(kernel, tiles)), tiles
 
 
-def pack(kernel: KernelConfig, rows: int, n: int, what: str) -> int:
-  """Shards (AG) or owners (GEMM+RS) of `rows` rows per row tile of a launch with N = n
-  (kernels/ag_gemm.py, gemm_rs.py PACK); ValueError, naming the launcher `what`, where the
-  config's packing cannot run it (select.packed_unsupported)."""
+def pack(kernel: KernelConfig, op: str, rows: int, n: int) -> int:
+  """Shards (op "ag") or owners ("rs") of `rows` rows per row tile of a launch with N = n
+  (kernels/ag_gemm.py, gemm_rs.py PACK); ValueError, naming the launcher, where the config's
+  packing cannot run it (select.packed_unsupported)."""
   if not kernel.pack_shards:
     return 1
-  why = packed_unsupported(kernel, rows, n, "ag" if "ag" in what else "rs")
+  why = packed_unsupported(kernel, rows, n, op)
   if why:
-    raise ValueError(f"{what}: {why}")
+    raise ValueError(f"launch_{'ag_gemm' if op == 'ag' else 'gemm_rs'}: {why}")
   return kernel.block_m // rows
 
 

@@ -88,7 +88,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
-      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, m, n, "launch_ag_gemm"),
+      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, gathered) if return_gathered else out
 
@@ -165,7 +165,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, tiles),
-      PACK=pack(kernel, m_out, n, "launch_gemm_rs"),
+      PACK=pack(kernel, "rs", m_out, n),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return out
 

@@ -172,7 +172,7 @@ def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
 def split_counters(cfg: KernelConfig) -> int:
   """The split-K counters of a call: its own row of MAX_CHUNKS arrival counters, less the
   first with pack_shards (AG: the own shard's copy arrives there, kernels/ag_gemm.py; GEMM+RS
-  leaves it alike)."""
+  skips it too, so that one rule serves both)."""
   return cost_model.MAX_CHUNKS - (1 if cfg.pack_shards else 0)
 
 
@@ -219,20 +219,19 @@ def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
   return 8 if block_m * block_n >= 64 * 256 else 4
 
 
-def packed_configs(world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
+def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
                    num_sms: int = NUM_SMS) -> list[KernelConfig]:
   """`tl` with the shards (AG) or owners' rows (GEMM+RS) packed into the row tiles
   (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
-  one config per tile of PACKED_TILES whose rows shard_rows divides (at least two shards per
-  tile).  At M = 128 on 8 GPUs (16-row shards) the 64-row tiles of one source or owner each
+  one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on 8 GPUs (16-row shards) the 64-row tiles of one source or owner each
   read B 8 times per call and are three quarters empty; 128-row packed tiles read it once."""
   out = []
   for bm, bn in PACKED_TILES:
-    if bm % shard_rows or bm < 2 * shard_rows:
-      continue
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
                               num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
                               split_k=1, split_tail=0)
+    if packed_unsupported(cfg, shard_rows, n, op):
+      continue
     tiles = fused_tiles(world, shard_rows, n, cfg)
     split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
     if tiles > split_counters(cfg):  # too many tiles to count their parts: whole tiles
@@ -281,7 +280,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
         out.append(cfg)
         break
   if "tl" in engines:
-    out += [c for c in packed_configs(world, shard_rows, k, n, base, num_sms) if fits(c)]
+    out += [c for c in packed_configs(op, world, shard_rows, k, n, base, num_sms) if fits(c)]
   tail = tail_split_config(op, world, shard_rows, k, n, base, num_sms) if "tl" in engines else None
   return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
 
