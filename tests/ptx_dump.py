@@ -124,7 +124,7 @@ def list_configs() -> list:
                                               select.GLUON_CAPABILITY)
       base = select.default_kernel(bf16) if not cands else next(
           (c for c in cands if c.engine == "tl"), cands[0])
-      # the packed configs the loopback benchmark times (not yet a first call's: FIRST_CALL_PACKED)
+      # the packed configs the loopback benchmark times (a first call keeps MAX_CANDIDATES)
       packed = [c for c in select.small_shape_configs(e.op, w, rows, k, n, bf16, bf16, base)
                 if c.pack_shards]
       for cfg in list(cands) + packed:

@@ -390,28 +390,22 @@ def test_gemm_check_shapes_are_not_calibration_points():
                                               "qwen2-72b"}
 
 
-def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k(monkeypatch):
+def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
   """For a small shape the first call times SMALL_KEEP of the usual candidates, then split-K
   and the narrower tiles (both engines on sm_90 with 16-bit operands), MAX_CANDIDATES in all;
-  packed shards first once FIRST_CALL_PACKED (they have not run on a GPU yet); large shapes
-  and 32-bit operands get the usual list."""
+  packed shards first; large shapes and 32-bit operands get the usual list."""
   sizes = (16, 4096, 768)  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: 16 rows per source
   usual = select.default_candidates("ag", 8, BF16, "9.0")
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
   assert len(got) == select.MAX_CANDIDATES and got[:select.SMALL_KEEP] == usual[:select.SMALL_KEEP]
-  small = got[select.SMALL_KEEP:]
-  assert small[0].split_k > 1 and small[0].engine == "tl"
-  assert {(c.engine, c.block_m, c.block_n) for c in small[1:]} == {
-      ("tl", 128, 128), ("gluon", 128, 128), ("tl", 64, 256)}
-  assert not any(c.pack_shards for c in got)
-  assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
-  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
-  assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
-  monkeypatch.setattr(select, "FIRST_CALL_PACKED", True)
-  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
   assert [(c.block_m, c.block_n, c.split_k, c.pack_shards)
           for c in got[select.SMALL_KEEP:select.SMALL_KEEP + 3]] == [
       (128, 128, 8, True), (64, 256, 8, True), (64, 128, 2, False)]
+  small = got[select.SMALL_KEEP:]
+  assert all(c.engine == "tl" for c in small if c.split_k > 1 or c.pack_shards)
+  assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
+  got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
+  assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
   rs, _ = select.first_call_candidates("rs", None, 8, (128, 4096, 768), 16, BF16, BF16, "9.0")
   assert [(c.block_m, c.block_n) for c in rs if c.pack_shards] == [(128, 128), (64, 256)]
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,

@@ -71,10 +71,6 @@ SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
 PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
-# Packed configs join a first call's candidates once they have run on a GPU: a candidate that
-# traps there (a bounded wait that expired) takes the user's process with it.  Until then
-# only the loopback benchmark and the GPU tests run them (docs/NOTES.md, sixth round).
-FIRST_CALL_PACKED = False
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
 # in two, where K >= TAIL_MIN_K (tail_split_config).
@@ -352,7 +348,7 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   base = next(iter(tl(ordered)), default_kernel(dtype))
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
-           if c not in ordered and (FIRST_CALL_PACKED or not c.pack_shards)]
+           if c not in ordered]
   # unmeasured preference: packed shards, split-K (the most SMs busy), then each tile on
   # each engine in turn
   small.sort(key=lambda c: (not c.pack_shards, c.split_k == 1,
