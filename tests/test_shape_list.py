@@ -190,6 +190,8 @@ def test_parse_args():
   args = shapes.parser().parse_args(["--loopback", "--movers", "tl=16,48", "--movers", "gluon=132"])
   from jax_autooverlap.bench.loopback import cli
   assert cli.parse_movers(args.movers) == {"tl": (16, 48), "gluon": (132,)}
+  args = shapes.parser().parse_args(["--loopback", "--variant", "tl:split_k=2,pack_shards=1"])
+  assert cli.parse_variants(args.variant) == (("tl", {"split_k": 2, "pack_shards": True}),)
   for bad in ("tl", "tl=", "cuda=4", "tl=4,x", "gluon=0"):
     with pytest.raises(ValueError, match="--movers"):
       cli.parse_movers([bad])

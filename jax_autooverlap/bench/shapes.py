@@ -290,8 +290,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-  from jax_autooverlap.bench.loopback.cli import parse_movers
-  movers = parse_movers(args.movers)
+  from jax_autooverlap.bench.loopback.cli import parse_movers, parse_variants
+  movers, extra = parse_movers(args.movers), parse_variants(args.variant)
   if args.table_from:
     print(format_table(read_records(args.table_from)))
     return 0
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
       continue
     try:
       measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
-                                args.first_call_candidates)
+                                args.first_call_candidates, extra)
     except Exception as ex:  # noqa: BLE001 - report, go on with the list
       log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})

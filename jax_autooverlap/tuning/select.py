@@ -207,7 +207,7 @@ def tail_split_config(op: str, world: int, shard_rows: int, k: int, n: int, base
   return dataclasses.replace(base, split_k=2, split_tail=tail)
 
 
-def _small_tile_warps(engine: str, block_m: int, block_n: int) -> int:
+def tile_warps(engine: str, block_m: int, block_n: int) -> int:
   """Gluon: a consumer warpgroup per 64 rows.  tl: 8 warps where a tile has 16K elements or
   more (with 4, the fp32 accumulator and GEMM+RS's sum beside it spill; ptxas -v), else 4."""
   if engine == "gluon":
@@ -224,7 +224,7 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
   out = []
   for bm, bn in PACKED_TILES:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
-                              num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
+                              num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                               split_k=1, split_tail=0)
     if packed_unsupported(cfg, shard_rows, n, op):
       continue
@@ -241,7 +241,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
                         engines=("tl", "gluon")) -> list[KernelConfig]:
   """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
   waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
-  K = k): per engine, the SMALL_TILES (_small_tile_warps), on `tl` split-K over the smallest
+  K = k): per engine, the SMALL_TILES (tile_warps), on `tl` split-K over the smallest
   tile whose tiles fit its counters, and the base with its second wave split where that wave
   is short (tail_split_config).  Chunks and movers stay the base's (a shard of one row tile
   is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
@@ -255,7 +255,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
     for bm, bn in SMALL_TILES:
       try:
         cfg = dataclasses.replace(base, engine=engine, block_m=bm, block_n=bn,
-                                  num_warps=_small_tile_warps(engine, bm, bn),
+                                  num_warps=tile_warps(engine, bm, bn),
                                   wg_partitions=False, split_k=1)
       except ValueError:  # the engine does not take these tiles
         continue
@@ -267,7 +267,7 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
     # beside the accumulator spills)
     for bm, bn in SMALL_TILES[::-1]:
       cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn,
-                                num_warps=_small_tile_warps("tl", bm, bn), wg_partitions=False,
+                                num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                                 split_k=1)
       tiles = fused_tiles(world, shard_rows, n, cfg)
       split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))

@@ -111,13 +111,15 @@ def first_call_variants(case: Case, device_kind: str, engines) -> dict:
 
 
 def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=None,
-                   first_call: bool = False) -> dict:
+                   first_call: bool = False, extra=()) -> dict:
   """{name: KernelConfig} of the fused variants autotuning would time for this case: the
   tuner's config on each engine, GEMM+RS on the Gluon engine with a consumer partition per
   warpgroup too, and for small shapes the narrower tiles and split-K
   (tuning/select.small_shape_configs).  movers ({engine: (count, ...)}, AG only): also each
   engine's config with each of those mover counts (tl: CTAs; gluon: CTAs with a mover warp),
-  named with "-m<count>".  first_call: also every first-call candidate (first_call_variants)."""
+  named with "-m<count>".  first_call: also every first-call candidate (first_call_variants).
+  extra ((engine, {field: value}), ...: parse_variants): also each engine's config with those
+  fields replaced (named as first-call candidates are), where the kernel can run it."""
   from jax_autooverlap.tuning import select
   configs = kernel_configs(case, device_kind, engines)
   variants = {variant_name(c): c for c in configs.values()}
@@ -139,11 +141,45 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=N
                                           out_dtype, next(iter(configs.values())), num_sms,
                                           tuple(configs)):
       variants.setdefault(variant_name(cfg), cfg)
+  for engine, fields in extra:
+    cfg = explicit_variant(case, configs, engine, fields)
+    if cfg is not None and cfg not in variants.values():
+      name = f"{variant_name(cfg)}-c{cfg.chunks}" + (f"m{cfg.num_comm}" if case.op == "ag" else "")
+      variants[name if name not in variants else f"{name}-w{cfg.num_warps}"] = cfg
   return variants
 
 
+def explicit_variant(case: Case, configs: dict, engine: str, fields: dict):
+  """The engine's config (configs: kernel_configs) with `fields` replaced, its warps the
+  tiles' (select.tile_warps) where the tiles change and num_warps is not given; None, after
+  saying why, where the engine is not timed or the kernel cannot run it."""
+  from jax_autooverlap.tuning import select
+  label = f"{case.op} {case.label}: --variant {engine}:{fields}"
+  if engine not in configs:
+    log(f"{label} skipped: engine {engine} is not timed for this case")
+    return None
+  base = configs[engine]
+  tiles = (fields.get("block_m", base.block_m), fields.get("block_n", base.block_n))
+  if tiles != (base.block_m, base.block_n) and "num_warps" not in fields:
+    fields = {**fields, "num_warps": select.tile_warps(engine, *tiles)}
+  try:
+    cfg = dataclasses.replace(base, **fields)
+  except ValueError as e:
+    log(f"{label} skipped: {e}")
+    return None
+  _, k, n = case.local_gemm
+  rows = case.m // case.world
+  why = (select.unsupported(rows, k, n, np_dtype(case.dtype), np_dtype(case.out_dtype), cfg,
+                            case.op)
+         or select.split_k_unsupported(cfg, select.fused_tiles(case.world, rows, n, cfg), k))
+  if why:
+    log(f"{label} skipped: {why}")
+    return None
+  return cfg
+
+
 def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None,
-               first_call: bool = False) -> list[dict]:
+               first_call: bool = False, extra=()) -> list[dict]:
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
   its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
   engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant; its
@@ -154,7 +190,8 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   lb = Loopback(case, device)
   log(f"{case.op} {case.label}: operands and workspaces set up in {time.monotonic() - t0:.1f} s")
   num_sms = cuda.sm_count(device.local_hardware_id)
-  variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call)
+  variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call,
+                            extra)
   programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
   common.warm_compiles((p, lb.fused_args()) for p in programs.values())  # Triton, XLA: threads
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
@@ -322,6 +359,41 @@ def add_variant_arguments(ap: argparse.ArgumentParser):
                   help="AG: also time ENGINE's config with each of these mover counts (tl: "
                        "CTAs, gluon: CTAs with a mover warp); repeat per engine, e.g. "
                        "--movers tl=16,32,48 --movers gluon=32,64,132")
+  ap.add_argument("--variant", action="append", default=[], metavar="ENGINE:FIELD=V,...",
+                  help="also time ENGINE's config with these KernelConfig fields replaced "
+                       "(ints; pack_shards and wg_partitions 0 or 1); where the tiles change "
+                       "and num_warps is not given, the tiles' warps; repeatable, e.g. "
+                       "--variant tl:block_m=128,block_n=128,pack_shards=1,split_k=4")
+
+
+def parse_variants(values) -> tuple[tuple[str, dict], ...]:
+  """((engine, {field: value}), ...) of --variant values "ENGINE:FIELD=V,..."."""
+  from jax_autooverlap.tuning.config import KernelConfig
+  ints = {f.name for f in dataclasses.fields(KernelConfig)} - {"engine", "pack_shards",
+                                                                 "wg_partitions"}
+  out = []
+  for v in values:
+    engine, sep, spec = v.partition(":")
+    fields, bad = {}, engine not in ("tl", "gluon") or not sep or not spec
+    for item in spec.split(",") if not bad else ():
+      name, eq, value = item.partition("=")
+      if not eq or not value.isdigit() or name not in ints | {"pack_shards", "wg_partitions"}:
+        bad = True
+        break
+      if name in ints:
+        fields[name] = int(value)
+      elif value in ("0", "1"):
+        fields[name] = value == "1"
+      else:
+        bad = True
+        break
+    if bad:
+      raise ValueError(f"--variant {v!r}: expected ENGINE:FIELD=V,... with ENGINE tl or gluon, "
+                       f"FIELD one of {sorted(ints | {'pack_shards', 'wg_partitions'})} and V a "
+                       "non-negative int (0 or 1 for pack_shards, wg_partitions), e.g. "
+                       "tl:block_n=128,split_k=4")
+    out.append((engine, fields))
+  return tuple(out)
 
 
 def parse_movers(values) -> dict[str, tuple[int, ...]]:
@@ -361,7 +433,7 @@ def gpus_and_engines(engines_arg: str, what: str):
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  movers = parse_movers(args.movers)
+  movers, extra = parse_movers(args.movers), parse_variants(args.variant)
   cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
            for s in args.shapes.split(",")]
   gpus, engines = gpus_and_engines(args.engines, "bench --loopback")
@@ -373,7 +445,7 @@ def main(argv=None) -> int:
   for case in cases:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
-                        args.first_call_candidates):
+                        args.first_call_candidates, extra):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
