@@ -115,8 +115,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   (bench/loopback/fixture.py and its set-up kernel), another rank with the same layout made
   here (its workspace at that rank's place in the table, its peers' pieces in the slots of
   every other source, their counters armed on the host)."""
-  from jax_autooverlap.backends.launch import (ag_grid, kernel_constants, pack, partials_type,
-                                               rs_grid, split_from)
+  from jax_autooverlap.backends.launch import (ag_grid, copy_block, kernel_constants, pack,
+                                               partials_type, rs_grid, split_from)
   from jax_autooverlap.bench.loopback import fixture
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
@@ -186,7 +186,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
       ag_gemm_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
-          COPY_COLS=128 if kk % 128 == 0 else 64, RETURN_GATHERED=False, SPLIT_K=split_k,
+          **copy_block(rows, kk, cfg.block_m), RETURN_GATHERED=False, SPLIT_K=split_k,
           SPLIT_FROM=first_split, PACK=pack(cfg, "ag", rows, cols), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](

@@ -55,6 +55,8 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1, 5),   # packed: its own row tile is the second
     ("rs", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1, 5),
     ("ag", 4, 2, 128, 64, 64, 256, 128, 0, 0, 1, 3),
+    # 24-row shards: the movers copy them in 32-row blocks, ragged (launch.copy_block)
+    ("ag", 8, 1, 128, 64, 192, 512, 128),
 ]
 
 
@@ -69,6 +71,19 @@ def test_tl_kernel_in_the_interpreter_matches_unfused(case):
                         cwd=ROOT)
   assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "OK", (
       proc.stdout[-2000:] + proc.stderr[-3000:])
+
+
+def test_movers_copy_blocks_cover_a_tiles_rows_of_the_shard_in_wide_blocks():
+  """The tl AG movers' copy blocks (one load then one store each, latency-bound): rows
+  covering a row tile's part of the shard, no more (16 at least), columns filling 16K elements
+  that divide K; large shards keep the 128x128 blocks."""
+  from jax_autooverlap.backends.launch import copy_block
+  assert copy_block(16, 8192, 128) == {"COPY_ROWS": 16, "COPY_COLS": 1024}  # 8 blocks, not 64
+  assert copy_block(24, 512, 128) == {"COPY_ROWS": 32, "COPY_COLS": 512}
+  assert copy_block(4096, 8192, 128) == {"COPY_ROWS": 128, "COPY_COLS": 128}
+  assert copy_block(4096, 8192 + 64, 128) == {"COPY_ROWS": 128, "COPY_COLS": 64}
+  assert copy_block(100, 4096, 64) == {"COPY_ROWS": 64, "COPY_COLS": 256}
+  assert copy_block(1, 64, 128) == {"COPY_ROWS": 16, "COPY_COLS": 64}
 
 
 def test_split_k_beyond_its_counters_is_refused():

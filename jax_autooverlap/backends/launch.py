@@ -50,6 +50,22 @@ def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas:
               TIMEOUT_NS=int(timeout_s * 1e9), OP_ID=op_id)
 
 
+COPY_ELEMS = 128 * 128  # a tl mover's copy block: 64 elements per thread at 8 warps
+
+
+def copy_block(m_shard: int, k: int, block_m: int) -> dict:
+  """COPY_ROWS, COPY_COLS of the tl AG movers' copy loop (kernels/ag_gemm.py _copy_rows): rows
+  covering a row tile's part of the shard (its rows rounded up to a power of two, 16 to
+  block_m), columns filling COPY_ELEMS that divide K (a multiple of 64).  Each block is one
+  load and one store in turn, latency-bound: a 16-row shard in 128-row blocks was 64 blocks
+  of 4 useful KB at K = 8192, now 8 of 32 KB."""
+  rows = min(block_m, max(16, 1 << (m_shard - 1).bit_length()))
+  cols = COPY_ELEMS // rows
+  while k % cols:
+    cols //= 2
+  return dict(COPY_ROWS=rows, COPY_COLS=cols)
+
+
 def split_from(kernel: KernelConfig, tiles: int) -> int:
   """The first split tile of a launch of `tiles` output tiles (kernels/split_k.py SPLIT_FROM):
   `tiles` without split-K, 0 where every tile is split, else tiles - split_tail."""

@@ -18,8 +18,9 @@ from jax import lax
 from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, pack, parity_bytes,
-                                             partials_type, rs_grid, split_from, with_scale)
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, copy_block, kernel_constants, pack,
+                                             parity_bytes, partials_type, rs_grid, split_from,
+                                             with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -86,7 +87,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, COPY_COLS=128 if k % 128 == 0 else 64,
+      M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, **copy_block(m, k, kernel.block_m),
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
       SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))

@@ -43,7 +43,10 @@ from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, fin
 @triton.jit
 def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-  """dst[row0:row0+BLOCK_R, :] = src[row0:row0+BLOCK_R, :] (rows < ROWS), row-major, COLS % BLOCK_C == 0."""
+  """dst[row0:row0+BLOCK_R, :] = src[row0:row0+BLOCK_R, :] (rows < ROWS), row-major,
+  COLS % BLOCK_C == 0.  One load, then its store, per block: latency-bound, so blocks are as
+  large as the registers allow (backends/launch.py copy_block: BLOCK_R covers a tile's rows
+  of the shard, no more)."""
   rows = row0 + tl.arange(0, BLOCK_R)
   rmask = rows[:, None] < ROWS
   for c0 in range(0, COLS, BLOCK_C):
@@ -61,9 +64,10 @@ def ag_gemm_kernel(
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
-    COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr, BUF_OFF: tl.constexpr,
-    PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
-    RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr,
+    BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+    OP_ID: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
 ):
   dtype = a_ptr.dtype.element_ty
@@ -96,7 +100,7 @@ def ag_gemm_kernel(
         peer_ws = table_address(table_ptr, peer)
         dst = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
             tl.pointer_type(dtype)) + rank.to(tl.int64) * SHARD
-        _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
+        _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, COPY_ROWS, COPY_COLS)
         peer_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
             + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
         signal_add(peer_flag, 1)
@@ -106,13 +110,13 @@ def ag_gemm_kernel(
         tm = u % TM
         dst = tl.multiple_of(gathered_ptr + src.to(tl.int64) * SHARD, 16)
         if src == rank:
-          _copy_rows(a_ptr, dst, tm * BLOCK_M, M_SHARD, K, BLOCK_M, COPY_COLS)
+          _copy_rows(a_ptr, dst, tm * BLOCK_M, M_SHARD, K, COPY_ROWS, COPY_COLS)
         else:
           c = tm // TILES_PER_CHUNK
           wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
                         err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
-                     BLOCK_M, COPY_COLS)
+                     COPY_ROWS, COPY_COLS)
 
   # Output tiles are handed out by a per-call counter, in the order local
   # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
