@@ -444,7 +444,7 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
 
 def test_explicit_variants_replace_fields_of_each_engines_config(capsys):
   """--variant ENGINE:FIELD=V,...: the engine's config with those fields (the tiles' warps
-  where the tiles change), named as first-call candidates; skipped with the reason where the
+  where the tiles change), named as given; skipped with the reason where the
   engine is not timed or the kernel cannot run it; bad specs name the flag."""
   qkv = fixture.Case("ag", 128, 8192, 10240, world=8)  # Llama-3-70B Q/K/V, TP 8, M = 128
   base = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
@@ -455,9 +455,9 @@ def test_explicit_variants_replace_fields_of_each_engines_config(capsys):
   added = {n: c for n, c in got.items() if n not in base}
   tl = base["tl"]
   assert added == {
-      f"tl-128x128-k2-p-c{tl.chunks}m{tl.num_comm}": dataclasses.replace(
+      "tl:block_m=128,block_n=128,pack_shards=1,split_k=2": dataclasses.replace(
           tl, block_m=128, block_n=128, pack_shards=True, split_k=2, num_warps=8),
-      f"tl-128x128-k2-p-c{tl.chunks}m8": dataclasses.replace(
+      "tl:block_m=128,block_n=128,pack_shards=1,split_k=2,num_comm=8": dataclasses.replace(
           tl, block_m=128, block_n=128, pack_shards=True, split_k=2, num_warps=8, num_comm=8)}
   err = capsys.readouterr().err
   assert "engine gluon is not timed" in err
@@ -469,7 +469,7 @@ def test_explicit_variants_replace_fields_of_each_engines_config(capsys):
   assert cli.parse_variants(["gluon:wg_partitions=1,block_m=128"]) == (
       ("gluon", {"wg_partitions": True, "block_m": 128}),)
   for bad in ("tl", "tl:", "cuda:split_k=2", "tl:split_k", "tl:split_k=-1", "tl:bogus=1",
-              "tl:pack_shards=2", "tl:engine=1"):
+              "tl:pack_shards=2", "tl:pack_shards=01", "tl:engine=1"):
     with pytest.raises(ValueError, match="--variant"):
       cli.parse_variants([bad])
 

@@ -119,7 +119,7 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=N
   engine's config with each of those mover counts (tl: CTAs; gluon: CTAs with a mover warp),
   named with "-m<count>".  first_call: also every first-call candidate (first_call_variants).
   extra ((engine, {field: value}), ...: parse_variants): also each engine's config with those
-  fields replaced (named as first-call candidates are), where the kernel can run it."""
+  fields replaced (named as given: "tl:split_k=2,..."), where the kernel can run it."""
   from jax_autooverlap.tuning import select
   configs = kernel_configs(case, device_kind, engines)
   variants = {variant_name(c): c for c in configs.values()}
@@ -144,8 +144,7 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=N
   for engine, fields in extra:
     cfg = explicit_variant(case, configs, engine, fields)
     if cfg is not None and cfg not in variants.values():
-      name = f"{variant_name(cfg)}-c{cfg.chunks}" + (f"m{cfg.num_comm}" if case.op == "ag" else "")
-      variants[name if name not in variants else f"{name}-w{cfg.num_warps}"] = cfg
+      variants[f"{engine}:" + ",".join(f"{f}={int(v)}" for f, v in fields.items())] = cfg
   return variants
 
 
@@ -369,30 +368,20 @@ def add_variant_arguments(ap: argparse.ArgumentParser):
 def parse_variants(values) -> tuple[tuple[str, dict], ...]:
   """((engine, {field: value}), ...) of --variant values "ENGINE:FIELD=V,..."."""
   from jax_autooverlap.tuning.config import KernelConfig
-  ints = {f.name for f in dataclasses.fields(KernelConfig)} - {"engine", "pack_shards",
-                                                                 "wg_partitions"}
+  allowed = {f.name for f in dataclasses.fields(KernelConfig)} - {"engine"}
+  flags = {"pack_shards", "wg_partitions"}
   out = []
   for v in values:
-    engine, sep, spec = v.partition(":")
-    fields, bad = {}, engine not in ("tl", "gluon") or not sep or not spec
-    for item in spec.split(",") if not bad else ():
-      name, eq, value = item.partition("=")
-      if not eq or not value.isdigit() or name not in ints | {"pack_shards", "wg_partitions"}:
-        bad = True
-        break
-      if name in ints:
-        fields[name] = int(value)
-      elif value in ("0", "1"):
-        fields[name] = value == "1"
-      else:
-        bad = True
-        break
-    if bad:
+    engine, _, spec = v.partition(":")
+    items = [item.partition("=") for item in spec.split(",")] if spec else []
+    if engine not in ("tl", "gluon") or not items or not all(
+        name in allowed and eq and value.isdigit() and (name not in flags or value in ("0", "1"))
+        for name, eq, value in items):
       raise ValueError(f"--variant {v!r}: expected ENGINE:FIELD=V,... with ENGINE tl or gluon, "
-                       f"FIELD one of {sorted(ints | {'pack_shards', 'wg_partitions'})} and V a "
-                       "non-negative int (0 or 1 for pack_shards, wg_partitions), e.g. "
-                       "tl:block_n=128,split_k=4")
-    out.append((engine, fields))
+                       f"FIELD one of {sorted(allowed)} and V a non-negative int (0 or 1 for "
+                       f"{' and '.join(sorted(flags))}), e.g. tl:block_n=128,split_k=4")
+    out.append((engine, {name: value == "1" if name in flags else int(value)
+                         for name, _, value in items}))
   return tuple(out)
 
 
