@@ -148,23 +148,16 @@ def gemm_rs_kernel(
             signal_add((table_address(table_ptr, o) + FLAGS_OFF).to(tl.pointer_type(tl.int32))
                        + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1)
         if pt == rank // PACK:  # this GPU's own rows: the peers' partials, in rank order
+          own = owner == rank
           for r in tl.static_range(WORLD):
             if r != rank:
               wait_at_least(my_flags + r * MAX_CHUNKS + tn, 1, err_slot, OP_ID, rank, r, tn,
                             TIMEOUT_NS)
-          # the own M_OUT rows alone (x + 0 is x: picking them out is exact), then each peer's
-          # partial of them as one small load, all in flight at once (a masked tile per peer,
-          # each behind the previous add, was 7 load latencies at TP 8)
-          pick = (tl.arange(0, PACK) == rank % PACK)[:, None, None]
-          mine = tl.sum(tl.where(pick, tl.reshape(acc, [PACK, M_OUT, BLOCK_N]), 0.0), axis=0)
-          orow = tl.arange(0, M_OUT)
-          cmask = (cols < N)[None, :]
-          for r in tl.static_range(WORLD):
-            if r != rank:
-              src = my_slots + r * SLOT + orow * N
-              mine += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg", mask=cmask,
-                              other=0.0).to(tl.float32)
-          tl.store(out_ptr + (orow * N)[:, None] + cols[None, :], mine.to(out_dtype), mask=cmask)
+              src = my_slots + r * SLOT + r_out * N
+              acc += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg",
+                             mask=own[:, None] & (cols[None, :] < N), other=0.0).to(tl.float32)
+          tl.store(out_ptr + (r_out * N)[:, None] + cols[None, :], acc.to(out_dtype),
+                   mask=own[:, None] & (cols[None, :] < N))
       u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   else:
     while u < WORK:
