@@ -1,7 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
     TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
-        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS [RANK]]]]]
+        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS [RANK [NUM_COMM]]]]]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -14,7 +14,8 @@ workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
 (KernelConfig.split_tail).  PACK_SHARDS 1: the shards (AG) or owners' rows (GEMM+RS) packed
 into the row tiles (KernelConfig.pack_shards).  RANK: the kernel runs as that rank of the
 group (default 0; the peers' pieces and counters made here, not by the benchmark's
-fixture).  The interpreter runs the CTAs one after another, so
+fixture).  NUM_COMM: the AG's movers (default 2; more split a small shard's pushes into
+column parts, launch.copy_block).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -110,7 +111,7 @@ def _references(case, rank, a, b, pieces):
 
 
 def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pack_shards=False,
-        rank=0, num_sms=16):
+        rank=0, num_comm=2, num_sms=16):
   """Rank `rank` of a loopback group: rank 0 with the loopback benchmark's own fixture
   (bench/loopback/fixture.py and its set-up kernel), another rank with the same layout made
   here (its workspace at that rank's place in the table, its peers' pieces in the slots of
@@ -126,7 +127,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   from jax_autooverlap.tuning.config import KernelConfig
   case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare)
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
-                     num_comm=2, split_k=split_k, split_tail=split_tail,
+                     num_comm=num_comm, split_k=split_k, split_tail=split_tail,
                      pack_shards=pack_shards)
   if not 0 <= rank < world:
     raise ValueError(f"rank {rank} is not in a group of {world}")
@@ -168,6 +169,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   scratch = np.zeros(num_ctas * 1024, np.uint8)
   n_flags = 2 * world * workspace.MAX_CHUNKS
   flags = ws0[workspace.FLAGS_OFFSET:workspace.FLAGS_OFFSET + 4 * n_flags].view(np.int32)
+  copies = copy_block(rows, kk, cfg.block_m, world, num_comm, pack_shards) if op == "ag" else {}
   problems = []
   for call in range(2):
     if rank == 0:
@@ -186,7 +188,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
       ag_gemm_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
           Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
-          **copy_block(rows, kk, cfg.block_m), RETURN_GATHERED=False, SPLIT_K=split_k,
+          **copies, RETURN_GATHERED=False, SPLIT_K=split_k,
           SPLIT_FROM=first_split, PACK=pack(cfg, "ag", rows, cols), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
@@ -204,6 +206,15 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
       perr = np.abs(pushed - want).max() / max(np.abs(want).max(), 1e-6)
       if perr > 1e-2:
         problems.append(f"call {call}: push to peer {r} off by {perr:.3g}")
+      if op == "ag":  # a chunk has arrived at (its row tiles) * PUSH_PARTS
+        start = i * fixture.peer_stride(case) + workspace.FLAGS_OFFSET
+        got = peer_ws[start:start + 4 * n_flags].view(np.int32).reshape(
+            2, world, workspace.MAX_CHUNKS)[parity, rank]
+        per = consts["TILES_PER_CHUNK"]
+        want = [min(per, tm - c * per) * copies["PUSH_PARTS"] for c in range(-(-tm // per))]
+        if list(got[:len(want)]) != want or got[len(want):].any():
+          problems.append(f"call {call}: counters at peer {r} {list(got[:len(want) + 1])}, "
+                          f"want {want}")
     header = ws0[:16].view(np.int32)
     own = flags.reshape(2, world, workspace.MAX_CHUNKS)[parity, rank]
     if header[0] != call + 1 or header[1] != 0 or header[2 + parity] != 0 or own.any():
@@ -220,8 +231,9 @@ def main(argv):
   split_tail = int(argv[9]) if len(argv) > 9 else 0
   pack_shards = len(argv) > 10 and argv[10] == "1"
   rank = int(argv[11]) if len(argv) > 11 else 0
+  num_comm = int(argv[12]) if len(argv) > 12 else 2
   problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail, pack_shards,
-                 rank)
+                 rank, num_comm)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

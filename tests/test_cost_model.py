@@ -441,7 +441,7 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   rs = select.small_shape_configs("rs", 8, 16, 4096, 768, BF16, BF16, base, 132)
   assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
       (128, 128, 8), (64, 256, 8)]
-  # Llama-3-70B o at TP = 8, 128 tokens: 64 packed tiles, more than the split counters (63)
+  # Llama-3-70B o at TP = 8, 128 tokens: 64 packed tiles, more than the split counters (62)
   rs = select.small_shape_configs("rs", 8, 16, 1024, 8192, BF16, BF16, base, 132)
   assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
       (128, 128, 1), (64, 256, 1)]
@@ -566,7 +566,7 @@ def test_packed_shards_need_shards_that_fill_the_tiles():
   assert select.unsupported(16, 4096, 65 * 256, BF16, BF16, cfg, "rs") == (
       "pack_shards counts GEMM+RS's pushes per column tile, at most 64; N=16640 has 65 of 256")
   assert select.unsupported(16, 4096, 65 * 256, BF16, BF16, cfg, "ag") is None
-  # the own shard's arrival takes the first of the 64 split counters
-  assert select.split_counters(cfg) == 63
-  assert "at most 63 output tiles" in select.split_k_unsupported(cfg, 64, 4096)
+  # the own shard's copied and claimed parts take the first two of the 64 split counters
+  assert select.split_counters(cfg) == 62
+  assert "at most 62 output tiles" in select.split_k_unsupported(cfg, 63, 4096)
   assert select.split_k_unsupported(dataclasses.replace(cfg, pack_shards=False), 64, 4096) is None

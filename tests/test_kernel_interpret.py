@@ -57,6 +57,11 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 4, 2, 128, 64, 64, 256, 128, 0, 0, 1, 3),
     # 24-row shards: the movers copy them in 32-row blocks, ragged (launch.copy_block)
     ("ag", 8, 1, 128, 64, 192, 512, 128),
+    # more movers than push units: pushes in column parts (8 of a 32-row shard; 2 at w = 8);
+    # packed, the own shard in parts (2; 4) that every CTA claims (launch.copy_block)
+    ("ag", 2, 1, 64, 128, 64, 4096, 256, 0, 0, 0, 0, 8),
+    ("ag", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1, 5, 8),
+    ("ag", 4, 2, 128, 64, 64, 4096, 128, 0, 0, 1, 0, 4),
 ]
 
 
@@ -64,7 +69,8 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
                          + (f"-spare{c[8]}" if len(c) > 8 and c[8] else "")
                          + (f"-tail{c[9]}" if len(c) > 9 and c[9] else "")
                          + ("-packed" if len(c) > 10 and c[10] else "")
-                         + (f"-rank{c[11]}" if len(c) > 11 else ""))
+                         + (f"-rank{c[11]}" if len(c) > 11 and c[11] else "")
+                         + (f"-movers{c[12]}" if len(c) > 12 else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,
@@ -78,12 +84,33 @@ def test_movers_copy_blocks_cover_a_tiles_rows_of_the_shard_in_wide_blocks():
   covering a row tile's part of the shard, no more (16 at least), columns filling 16K elements
   that divide K; large shards keep the 128x128 blocks."""
   from jax_autooverlap.backends.launch import copy_block
-  assert copy_block(16, 8192, 128) == {"COPY_ROWS": 16, "COPY_COLS": 1024}  # 8 blocks, not 64
-  assert copy_block(24, 512, 128) == {"COPY_ROWS": 32, "COPY_COLS": 512}
-  assert copy_block(4096, 8192, 128) == {"COPY_ROWS": 128, "COPY_COLS": 128}
-  assert copy_block(4096, 8192 + 64, 128) == {"COPY_ROWS": 128, "COPY_COLS": 64}
-  assert copy_block(100, 4096, 64) == {"COPY_ROWS": 64, "COPY_COLS": 256}
-  assert copy_block(1, 64, 128) == {"COPY_ROWS": 16, "COPY_COLS": 64}
+  def block(*args):
+    return {k: v for k, v in copy_block(*args).items() if k.startswith("COPY_")}
+  assert block(16, 8192, 128) == {"COPY_ROWS": 16, "COPY_COLS": 1024}  # 8 blocks, not 64
+  assert block(24, 512, 128) == {"COPY_ROWS": 32, "COPY_COLS": 512}
+  assert block(4096, 8192, 128) == {"COPY_ROWS": 128, "COPY_COLS": 128}
+  assert block(4096, 8192 + 64, 128) == {"COPY_ROWS": 128, "COPY_COLS": 64}
+  assert block(100, 4096, 64) == {"COPY_ROWS": 64, "COPY_COLS": 256}
+  assert block(1, 64, 128) == {"COPY_ROWS": 16, "COPY_COLS": 64}
+
+
+def test_small_shards_are_copied_in_column_parts_over_the_movers():
+  """A push unit (a row tile to a peer) in as many column parts as the movers cover, a
+  divisor of its blocks; packed, the own shard one block per part; large shards whole."""
+  from jax_autooverlap.backends.launch import copy_block
+
+  def parts(*args):
+    c = copy_block(*args)
+    return c["PUSH_PARTS"], c["OWN_PARTS"]
+  # TP 8, M = 128: 16-row shards, 8 blocks of 16 x 1024; 7 peers, 32 movers: 4 parts each
+  assert parts(16, 8192, 128, 8, 32, True) == (4, 8)
+  assert parts(16, 8192, 128, 8, 8, True) == (2, 8)      # 8 movers: 2 >= 8 / 7
+  assert parts(16, 8192, 128, 8, 32, False) == (4, 1)
+  assert parts(16, 8192, 128, 8, 16, False) == (2, 1)    # 3 <= 16 / 7 divides not 8
+  assert parts(16, 5120, 64, 8, 32, False) == (5, 1)    # 5 blocks of 16 x 1024
+  assert parts(32, 4096, 64, 2, 8, False) == (8, 1)     # one unit, 8 blocks of 32 x 512
+  assert parts(4096, 8192, 128, 8, 32, False) == (1, 1)  # 224 units: whole
+  assert parts(1, 64, 128, 2, 16, True) == (1, 1)       # one block
 
 
 def test_split_k_beyond_its_counters_is_refused():

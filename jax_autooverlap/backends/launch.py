@@ -53,17 +53,27 @@ def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas:
 COPY_ELEMS = 128 * 128  # a tl mover's copy block: 64 elements per thread at 8 warps
 
 
-def copy_block(m_shard: int, k: int, block_m: int) -> dict:
-  """COPY_ROWS, COPY_COLS of the tl AG movers' copy loop (kernels/ag_gemm.py _copy_rows): rows
-  covering a row tile's part of the shard (its rows rounded up to a power of two, 16 to
-  block_m), columns filling COPY_ELEMS that divide K (a multiple of 64).  Each block is one
-  load and one store in turn, latency-bound: a 16-row shard in 128-row blocks was 64 blocks
-  of 4 useful KB at K = 8192, now 8 of 32 KB."""
+def copy_block(m_shard: int, k: int, block_m: int, world: int = 2, num_comm: int = 1,
+               packed: bool = False) -> dict:
+  """The tl AG movers' copies (kernels/ag_gemm.py _copy_rows).  COPY_ROWS, COPY_COLS: the
+  block, rows covering a row tile's part of the shard (its rows rounded up to a power of two,
+  16 to block_m), columns filling COPY_ELEMS that divide K (a multiple of 64).  Each block is
+  one load and one store in turn, latency-bound: a 16-row shard in 128-row blocks was 64
+  blocks of 4 useful KB at K = 8192, now 8 of 32 KB.  PUSH_PARTS: the column parts of a push
+  unit (a row tile to a peer), so that where the units are fewer than the num_comm movers a
+  shard still goes out through several of them (a divisor of the blocks per unit, at most
+  num_comm / units).  OWN_PARTS (packed): the own shard's copy into its slot, every tile's
+  first wait, one block per part, claimed by every CTA (1 where not packed)."""
   rows = min(block_m, max(16, 1 << (m_shard - 1).bit_length()))
   cols = COPY_ELEMS // rows
   while k % cols:
     cols //= 2
-  return dict(COPY_ROWS=rows, COPY_COLS=cols)
+  blocks = k // cols
+  units = (world - 1) * math.ceil(m_shard / block_m)
+  push = max(d for d in range(1, blocks + 1)
+             if blocks % d == 0 and d <= max(1, math.ceil(num_comm / units)))
+  return dict(COPY_ROWS=rows, COPY_COLS=cols, PUSH_PARTS=push,
+              OWN_PARTS=blocks if packed else 1)
 
 
 def split_from(kernel: KernelConfig, tiles: int) -> int:

@@ -87,7 +87,8 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
                 scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
-      M_SHARD=m, K=k, N=n, NUM_COMM=num_comm, **copy_block(m, k, kernel.block_m),
+      M_SHARD=m, K=k, N=n, NUM_COMM=num_comm,
+      **copy_block(m, k, kernel.block_m, world, num_comm, bool(kernel.pack_shards)),
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
       SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))

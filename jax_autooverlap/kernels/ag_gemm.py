@@ -3,10 +3,12 @@
     out[src*m + i, :] = a_src[i, :] @ b        for every rank src of the group
 
 Roles (grid <= number of SMs, one CTA per program):
-- CTAs [0, NUM_COMM) push this GPU's shard, one BLOCK_M-row unit at a time,
-  into every peer's gather buffer (plain loads/stores through peer pointers),
-  chunk by chunk; each unit bumps the peer's arrival counter of its chunk
-  (release, system scope).  With RETURN_GATHERED they then also copy every
+- CTAs [0, NUM_COMM) push this GPU's shard, one unit at a time: a BLOCK_M-row tile's
+  rows, in PUSH_PARTS column parts (backends/launch.py copy_block: a small shard is split so
+  that it goes to a peer through several CTAs at once), into every peer's gather buffer
+  (plain loads/stores through peer pointers), chunk by chunk; each unit bumps the peer's
+  arrival counter of its chunk (release, system scope): a chunk has arrived at
+  (its tiles) * PUSH_PARTS.  With RETURN_GATHERED they then also copy every
   shard, as it arrives, into the `gathered` output.
 - All CTAs (the movers once done) take output tiles from a per-call atomic
   counter: local shard first (no waiting), then the shards of rank-1,
@@ -17,11 +19,14 @@ Roles (grid <= number of SMs, one CTA per program):
   the tiles from SPLIT_FROM on): the part that finishes a tile's sum last stores it.
 - With PACK > 1 (KernelConfig.pack_shards: shards of M_SHARD = BLOCK_M / PACK rows) a row
   tile is PACK sources' shards, read from the gather buffer, whose every slot is then in use:
-  the movers' first unit copies this GPU's own shard into its own slot and counts it on its
-  own first arrival counter (the split counters start after it).  A tile waits for each of
-  its sources, its own included: the one wait of a CTA on another CTA of its GPU, mover
-  CTA 0, whose first unit that copy is (bounded like the others, so a CTA 0 kept from
-  running is an error, not a hang).  B is read once per PACK sources.
+  this GPU's own shard is copied into its own slot in OWN_PARTS column parts, which every
+  CTA, before its first tile, claims from a counter (the own row's second arrival counter)
+  and copies until none is left, each counted on the own first arrival counter (the split
+  counters start after these two).  A tile waits for each of its sources, its own included:
+  the one wait of a CTA on other CTAs of its GPU, on parts that running CTAs have claimed (a
+  copy waits for nothing), so it cannot deadlock on CTA scheduling either; CTAs run one
+  after another (Triton's interpreter), the first claims every part.  B is read once per
+  PACK sources.
 - The last CTA to finish zeroes this call's counters and advances the epoch
   (see runtime/workspace.py for why parity double-buffering is safe).
 Without PACK no CTA waits for another CTA of its own GPU, so the kernel cannot
@@ -42,14 +47,15 @@ from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, fin
 
 @triton.jit
 def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-  """dst[row0:row0+BLOCK_R, :] = src[row0:row0+BLOCK_R, :] (rows < ROWS), row-major,
-  COLS % BLOCK_C == 0.  One load, then its store, per block: latency-bound, so blocks are as
-  large as the registers allow (backends/launch.py copy_block: BLOCK_R covers a tile's rows
-  of the shard, no more)."""
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, part=0, PARTS: tl.constexpr = 1):
+  """dst[row0:row0+BLOCK_R, cols] = src[row0:row0+BLOCK_R, cols] (rows < ROWS) for the
+  columns of part `part` of PARTS equal ones, row-major, COLS % (PARTS * BLOCK_C) == 0.  One
+  load, then its store, per block: latency-bound, so blocks are as large as the registers
+  allow (backends/launch.py copy_block: BLOCK_R covers a tile's rows of the shard, no more)."""
   rows = row0 + tl.arange(0, BLOCK_R)
   rmask = rows[:, None] < ROWS
-  for c0 in range(0, COLS, BLOCK_C):
+  PART_COLS: tl.constexpr = COLS // PARTS
+  for c0 in range(part * PART_COLS, (part + 1) * PART_COLS, BLOCK_C):
     cols = c0 + tl.arange(0, BLOCK_C)
     offs = rows[:, None] * COLS + tl.max_contiguous(tl.multiple_of(cols, BLOCK_C), BLOCK_C)[None, :]
     tl.store(dst + offs, tl.load(src + offs, mask=rmask), mask=rmask)
@@ -64,7 +70,8 @@ def ag_gemm_kernel(
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
-    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, FLAGS_OFF: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PUSH_PARTS: tl.constexpr,
+    OWN_PARTS: tl.constexpr, FLAGS_OFF: tl.constexpr,
     BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr,
     OP_ID: tl.constexpr,
@@ -88,19 +95,18 @@ def ag_gemm_kernel(
   my_bufs = (ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(dtype))
 
   if pid < NUM_COMM:
-    # Push: unit u = (chunk, peer step, row tile) in chunk-major order; PACK > 1: step 0 is
-    # this GPU itself (its own slot), the first unit of CTA 0.
-    FIRST: tl.constexpr = 0 if PACK > 1 else 1
-    PEERS: tl.constexpr = WORLD - FIRST
-    UNITS: tl.constexpr = NCHUNK * PEERS * TILES_PER_CHUNK
+    # Push: unit u = (chunk, peer step, row tile, column part) in chunk-major order.
+    UNITS: tl.constexpr = NCHUNK * (WORLD - 1) * TILES_PER_CHUNK * PUSH_PARTS
     for u in range(pid, UNITS, NUM_COMM):
-      tm = (u // (PEERS * TILES_PER_CHUNK)) * TILES_PER_CHUNK + u % TILES_PER_CHUNK
+      v = u // PUSH_PARTS
+      tm = (v // ((WORLD - 1) * TILES_PER_CHUNK)) * TILES_PER_CHUNK + v % TILES_PER_CHUNK
       if tm < TM:
-        peer = (rank + FIRST + (u // TILES_PER_CHUNK) % PEERS) % WORLD
+        peer = (rank + 1 + (v // TILES_PER_CHUNK) % (WORLD - 1)) % WORLD
         peer_ws = table_address(table_ptr, peer)
         dst = (peer_ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(
             tl.pointer_type(dtype)) + rank.to(tl.int64) * SHARD
-        _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, COPY_ROWS, COPY_COLS)
+        _copy_rows(a_ptr, tl.multiple_of(dst, 16), tm * BLOCK_M, M_SHARD, K, COPY_ROWS, COPY_COLS,
+                   u % PUSH_PARTS, PUSH_PARTS)
         peer_flag = (peer_ws + FLAGS_OFF).to(tl.pointer_type(tl.int32)) \
             + (parity * WORLD + rank) * MAX_CHUNKS + tm // TILES_PER_CHUNK
         signal_add(peer_flag, 1)
@@ -113,10 +119,22 @@ def ag_gemm_kernel(
           _copy_rows(a_ptr, dst, tm * BLOCK_M, M_SHARD, K, COPY_ROWS, COPY_COLS)
         else:
           c = tm // TILES_PER_CHUNK
-          wait_at_least(my_flags + src * MAX_CHUNKS + c, tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+          wait_at_least(my_flags + src * MAX_CHUNKS + c,
+                        tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * PUSH_PARTS,
                         err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      COPY_ROWS, COPY_COLS)
+
+  # PACK > 1: before its first tile, every CTA (a mover after its pushes, which the peers wait
+  # for) claims parts of the own shard (TM == 1) and copies them, until none is left.
+  own_flag = my_flags + rank * MAX_CHUNKS
+  if PACK > 1:
+    p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
+    while p < OWN_PARTS:
+      _copy_rows(a_ptr, tl.multiple_of(my_bufs + rank.to(tl.int64) * SHARD, 16), 0, M_SHARD, K,
+                 COPY_ROWS, COPY_COLS, p, OWN_PARTS)
+      signal_add(own_flag, 1)
+      p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
 
   # Output tiles are handed out by a per-call counter, in the order local
   # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
@@ -149,7 +167,7 @@ def ag_gemm_kernel(
   GROUP: tl.constexpr = GROUP_M * TN
   TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
   # the split counters: this rank's own row of arrival counters, after the own shard's (PACK)
-  counters = my_flags + rank * MAX_CHUNKS + (1 if PACK > 1 else 0)
+  counters = own_flag + (2 if PACK > 1 else 0)
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
   while u < WORK:
@@ -160,8 +178,8 @@ def ag_gemm_kernel(
       for j in tl.static_range(PACK):
         src = pt * PACK + j
         if src < WORLD:
-          wait_at_least(my_flags + src * MAX_CHUNKS, 1, err_slot, OP_ID, rank, src, 0,
-                        TIMEOUT_NS)
+          wait_at_least(my_flags + src * MAX_CHUNKS, tl.where(src == rank, OWN_PARTS, PUSH_PARTS),
+                        err_slot, OP_ID, rank, src, 0, TIMEOUT_NS)
       acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
                                     scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
                                     BLOCK_N, BLOCK_K, SPLIT_K, FP8)
@@ -179,7 +197,7 @@ def ag_gemm_kernel(
       if src != rank:
         c = tm // TILES_PER_CHUNK
         wait_at_least(my_flags + src * MAX_CHUNKS + c,
-                      tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK),
+                      tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * PUSH_PARTS,
                       err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
         a_desc = bufs_desc
         row0 += src * M_SHARD

@@ -31,7 +31,7 @@ a destination per row) and signals it at once on the counter of its column tile;
 holding this GPU's own rows then waits for every peer's push of that column tile and sums
 the partials into them in rank order.  Every tile pushes before it waits and every GPU hands
 tiles out in the same order, so the lowest tile any GPU waits for has been pushed everywhere
-(deadlock-free without the own-rows-last order).  The split counters start at the second
+(deadlock-free without the own-rows-last order).  The split counters start at the third
 of the own row's counters, as in kernels/ag_gemm.py.
 
 fp8 operands (e4m3/e5m2, any pairing): b comes K-major as [N, K] (wgmma reads
@@ -116,7 +116,7 @@ def gemm_rs_kernel(
 
   pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
-  counters = my_flags + rank * MAX_CHUNKS + (1 if PACK > 1 else 0)  # split-K's
+  counters = my_flags + rank * MAX_CHUNKS + (2 if PACK > 1 else 0)  # split-K's
   PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
   TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_OWNER
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")

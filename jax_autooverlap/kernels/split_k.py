@@ -16,8 +16,9 @@ by the split tile's number t - SPLIT_FROM.  No CTA waits for another CTA of its 
 The split counters are this call's arrival counters of the GPU's own rank (runtime/workspace.py
 holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row, no kernel
 waits on it): zero when the call starts, zeroed again with the others by the call's last CTA
-(kernels/sync.py finish_call).  Hence at most MAX_CHUNKS split tiles per call
-(tuning/select.py split_k_unsupported; the launchers refuse more).
+(kernels/sync.py finish_call).  Hence at most MAX_CHUNKS split tiles per call, two fewer
+with packed shards, whose own shard's parts the first two count (kernels/ag_gemm.py;
+tuning/select.py split_k_unsupported; the launchers refuse more).
 
 Memory ordering: each thread's partial stores, then a CTA barrier, then one thread's acq_rel
 add (release is cumulative over what the barrier ordered before it); the last part's add

@@ -167,9 +167,9 @@ def fused_tiles(world: int, shard_rows: int, n: int, cfg: KernelConfig) -> int:
 
 def split_counters(cfg: KernelConfig) -> int:
   """The split-K counters of a call: its own row of MAX_CHUNKS arrival counters, less the
-  first with pack_shards (AG: the own shard's copy arrives there, kernels/ag_gemm.py; GEMM+RS
-  skips it too, so that one rule serves both)."""
-  return cost_model.MAX_CHUNKS - (1 if cfg.pack_shards else 0)
+  first two with pack_shards (AG: the own shard's copied and claimed parts,
+  kernels/ag_gemm.py; GEMM+RS skips them too, so that one rule serves both)."""
+  return cost_model.MAX_CHUNKS - (2 if cfg.pack_shards else 0)
 
 
 def split_k_unsupported(cfg: KernelConfig, tiles: int, k: int) -> str | None:
