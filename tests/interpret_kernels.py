@@ -187,7 +187,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
       gathered = np.zeros(16, np.float16)
       ag_gemm_kernel[(num_ctas,)](
           Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
-          Host(partials), Host(scratch), M_SHARD=rows, K=kk, N=cols, NUM_COMM=num_comm,
+          Host(partials), Host(np.zeros(4, np.int64)), Host(scratch), M_SHARD=rows, K=kk,
+          N=cols, NUM_COMM=num_comm,
           **copies, RETURN_GATHERED=False, SPLIT_K=split_k,
           SPLIT_FROM=first_split, PACK=pack(cfg, "ag", rows, cols), **consts)
     else:

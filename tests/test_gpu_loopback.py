@@ -280,6 +280,27 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))
 
 
+def test_traced_tl_ag_computes_what_the_plain_one_does():
+  """--trace with a tl --variant (kernels/tl_trace.py), on the packed split-K AG that the
+  split sweep times (Llama-3-70B Q/K/V, TP 8, 128 tokens): the same output bit for bit as the
+  plain build, and a timeline row for every work unit (2 row tiles x 5 column tiles x 8
+  parts)."""
+  from jax_autooverlap.bench import timeline
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import check_errors
+  from jax_autooverlap.tuning.config import KernelConfig
+  case = lb.Case("ag", 128, 8192, 10240, world=8)
+  loop = lb.Loopback(case, GPUS[0], seed=12)
+  cfg = KernelConfig(engine="tl", block_m=64, block_n=256, num_warps=8, pack_shards=True,
+                     split_k=8, num_comm=32)
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  plain = np.asarray(lb.fused_program(case, cfg, sms)(*loop.fused_args()))
+  out, trace = lb.fused_program(case, cfg, sms, trace=True)(*loop.fused_args())
+  check_errors()
+  np.testing.assert_array_equal(np.asarray(out), plain)
+  assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(80))
+
+
 @pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
 @pytest.mark.parametrize("shape", SHAPES["rs"], ids=lambda s: "x".join(map(str, s)))
 def test_gluon_rs_with_warpgroup_partitions_matches_unfused(shape):

@@ -60,6 +60,7 @@ def _check_engine(ptx, cfg):
     assert "%clock64" not in ptx, "the timeline (kernels/gluon_trace.py) is built in"
   else:
     assert "setmaxnreg" not in ptx
+    assert "%clock64" not in ptx, "the timeline (kernels/tl_trace.py) is built in"
 
 
 def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag",
@@ -218,6 +219,32 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
+
+
+def test_tl_ag_builds_its_timeline_only_when_asked(monkeypatch, tmp_path):
+  """kernels/tl_trace.py: the tl AG+GEMM's trace build (a packed split-K config, as the split
+  sweep times it) reads %clock64 and %globaltimer and returns an int64 [ctas, 257, 4] timeline
+  (the plain builds have no clock reads: _check_engine); the tl GEMM+RS records none."""
+  from jax_autooverlap.backends import triton as backend
+  from jax_autooverlap.bench import loopback as lb
+  bf16, world = jnp.dtype(jnp.bfloat16), 8
+  cfg = KernelConfig(engine="tl", block_m=64, block_n=256, num_warps=8, pack_shards=True,
+                     split_k=8, num_comm=32)
+  f = lambda a, b, table, rank: backend.launch_ag_gemm(
+      a, b, table, rank, world=world, kernel=cfg, out_dtype=bf16, return_gathered=False,
+      timeout_s=1.0, num_sms=132, compute_capability=90, trace=True)
+  specs = (jax.ShapeDtypeStruct((16, 1024), bf16), jax.ShapeDtypeStruct((1024, 1280), bf16),
+           jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32),
+           jax.ShapeDtypeStruct((1,), np.int32))
+  out, timeline = jax.eval_shape(f, *specs)
+  assert out.shape == (128, 1280) and timeline.dtype == np.int64
+  assert timeline.shape[1:] == (257, 4)
+  ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
+  assert "%clock64" in ptx and "%globaltimer" in ptx
+  assert_scratch_is_the_operand(ptx)
+  with pytest.raises(ValueError, match=r"the tl GEMM\+RS records no timeline"):
+    lb.fused_program(lb.Case("rs", 1024, 1024, 1024, dtype="bfloat16"), KernelConfig(), 132,
+                     compute_capability=90, trace=True)
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -295,6 +295,14 @@ def test_interleaved_timing_falls_back_to_wall_clock_without_device_events():
     assert ms > 0 and info["timing"] == "wall_clock" and len(info["round_ms"]) == 2
 
 
+def test_tl_and_gluon_timelines_share_one_layout():
+  """bench/timeline.py reads both kernels' traces, and launch.trace_out_type sizes both."""
+  from jax_autooverlap.kernels import gluon_trace, tl_trace
+  names = ("SLOTS", "FIELDS", "GOT_TILE", "MAIN_DONE", "EPILOGUE_DONE")
+  assert ([getattr(tl_trace, n).value for n in names]
+          == [getattr(gluon_trace, n).value for n in names] == [256, 4, 1, 2, 3])
+
+
 def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
   """bench/timeline.py on a synthetic trace: two CTAs at 2 cycles/ns, the second starting 1 µs
   later; CTA 0 runs tiles 0 and 2, CTA 1 tile 1 (rows after a CTA's last tile stay zero)."""

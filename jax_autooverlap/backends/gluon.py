@@ -19,18 +19,8 @@ import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
-                                             rs_grid)
+                                             rs_grid, trace_out_type)
 from jax_autooverlap.tuning.config import KernelConfig
-
-
-def trace_out_type(num_ctas: int, trace: bool):
-  """The trace operand of a launch (kernels/gluon_trace.py): [num_ctas, 1 + SLOTS, 4] int64 where
-  the launch records it (zeroed before: rows of tiles a CTA did not run stay 0), else a
-  4-element placeholder the kernel never touches."""
-  import numpy as np
-  from jax_autooverlap.kernels import gluon_trace
-  shape = (num_ctas, 1 + gluon_trace.SLOTS.value, gluon_trace.FIELDS.value) if trace else (4,)
-  return jax.ShapeDtypeStruct(shape, np.int64)
 
 
 def push_slice(k: int) -> int:

@@ -76,6 +76,16 @@ def copy_block(m_shard: int, k: int, block_m: int, world: int = 2, num_comm: int
               OWN_PARTS=blocks if packed else 1)
 
 
+def trace_out_type(num_ctas: int, trace: bool):
+  """The trace operand of a launch (kernels/gluon_trace.py, tl_trace.py: one layout):
+  [num_ctas, 1 + SLOTS, 4] int64 where the launch records it (zeroed before: rows of tiles a
+  CTA did not run stay 0), else a 4-element placeholder the kernel never touches."""
+  import jax
+  from jax_autooverlap.kernels import gluon_trace
+  shape = (num_ctas, 1 + gluon_trace.SLOTS.value, gluon_trace.FIELDS.value) if trace else (4,)
+  return jax.ShapeDtypeStruct(shape, np.int64)
+
+
 def split_from(kernel: KernelConfig, tiles: int) -> int:
   """The first split tile of a launch of `tiles` output tiles (kernels/split_k.py SPLIT_FROM):
   `tiles` without split-K, 0 where every tile is split, else tiles - split_tail."""

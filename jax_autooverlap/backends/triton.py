@@ -20,7 +20,7 @@ from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_ov
 from jax_autooverlap.backends import gluon
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, copy_block, kernel_constants, pack,
                                              parity_bytes, partials_type, rs_grid, split_from,
-                                             with_scale)
+                                             trace_out_type, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -57,20 +57,22 @@ def _table_row(table, mesh, axis_name):
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   workspace_bytes: int | None = None):
+                   workspace_bytes: int | None = None, trace: bool = False):
   """The kernel call itself: a[m, K], b[K, N], table_row uint32[2*(world+1)], rank int32[1].
 
   fp8 operands: b is [N, K] (launch.b_cols) and table_row carries the epilogue scale
   (launch.with_scale).  workspace_bytes: the size of the workspaces the table points to
   (None: exactly what this launch needs; launch.parity_bytes).  poison (tests): zero the
   outputs before the launch, so that elements the kernel fails to write show up as exact zeros.
+  trace (the loopback benchmark's --trace): also return the per-unit timeline (tl:
+  kernels/tl_trace.py; gluon: kernels/gluon_trace.py).
   """
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_ag_gemm(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, return_gathered=return_gathered,
                                 timeout_s=timeout_s, num_sms=num_sms, op_id=op_id,
                                 compute_capability=compute_capability, poison=poison,
-                                workspace_bytes=workspace_bytes)
+                                workspace_bytes=workspace_bytes, trace=trace)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.ag_gemm import ag_gemm_kernel
 
@@ -79,20 +81,21 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   tm, tn, num_comm, num_ctas, tiles = ag_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
-  out, gathered, _, _ = jt.triton_call(
+  out, gathered, _, timeline, _ = jt.triton_call(
       a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
-      zeroed_outputs=(0, 1) if poison else (),
+      zeroed_outputs=((0, 1) if poison else ()) + ((3,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
                 partials_type(kernel, tiles, k, "launch_ag_gemm"),
-                scratch_out_type(num_ctas)),
+                trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M_SHARD=m, K=k, N=n, NUM_COMM=num_comm,
       **copy_block(m, k, kernel.block_m, world, num_comm, bool(kernel.pack_shards)),
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
-      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n),
+      SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n), TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
-  return (out, gathered) if return_gathered else out
+  result = (out, gathered) if return_gathered else out
+  return (result, timeline) if trace else result
 
 
 def _group(mesh, axis_name, workspace_bytes: int):

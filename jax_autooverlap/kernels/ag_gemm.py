@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
-from jax_autooverlap.kernels import split_k
+from jax_autooverlap.kernels import split_k, tl_trace
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
                                           signal_add, table_address, wait_at_least)
 
@@ -65,8 +65,9 @@ def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
 @triton.jit
 def ag_gemm_kernel(
     a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
-    out_ptr, gathered_ptr, partials_ptr, scratch_ptr,  # outputs (partials: split_k.py; scratch:
-                                                       # see _compat.lean_launch)
+    out_ptr, gathered_ptr, partials_ptr, trace_ptr, scratch_ptr,  # outputs (partials: split_k.py;
+                                                                  # trace: tl_trace.py; scratch:
+                                                                  # see _compat.lean_launch)
     M_SHARD: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_COMM: tl.constexpr, NUM_CTAS: tl.constexpr,
@@ -76,10 +77,12 @@ def ag_gemm_kernel(
     FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr,
     OP_ID: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
+    TRACE: tl.constexpr = False,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
   pid = tl.program_id(0)
+  tl_trace.start(trace_ptr, TRACE)
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
   err_slot = ws + ERROR_SLOT_OFFSET
@@ -170,6 +173,7 @@ def ag_gemm_kernel(
   counters = own_flag + (2 if PACK > 1 else 0)
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
+  nth = 0  # this CTA's units so far (the trace's row)
   while u < WORK:
     t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
     if PACK > 1:  # the own sources' row tile first, then rank-1's, ...
@@ -180,9 +184,10 @@ def ag_gemm_kernel(
         if src < WORLD:
           wait_at_least(my_flags + src * MAX_CHUNKS, tl.where(src == rank, OWN_PARTS, PUSH_PARTS),
                         err_slot, OP_ID, rank, src, 0, TIMEOUT_NS)
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
       acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
                                     scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
       if last:  # else another part of this tile stores it
         packed_desc.store([pt * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     else:
@@ -201,12 +206,16 @@ def ag_gemm_kernel(
                       err_slot, OP_ID, rank, src, c, TIMEOUT_NS)
         a_desc = bufs_desc
         row0 += src * M_SHARD
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
       acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
                                     partials_ptr, counters, SPLIT_FROM, K,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
       if last:  # else another part of this tile stores it
         o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
                      acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+    tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
+    nth += 1
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
 
+  tl_trace.end(trace_ptr, TRACE)
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

@@ -28,6 +28,8 @@ after it; those loads bypass L1 (`.cg`), which is not coherent between SMs.
 import triton
 import triton.language as tl
 
+from jax_autooverlap.kernels import tl_trace
+
 
 @triton.jit
 def dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K: tl.constexpr, FP8: tl.constexpr):
@@ -85,15 +87,17 @@ def combine(acc, slot, part, partials_ptr, counters, BLOCK_M: tl.constexpr, BLOC
 @triton.jit
 def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters, SPLIT_FROM,
               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr):
+              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
+              trace_ptr=0, j=0, TRACE: tl.constexpr = False):
   """Part `part` of output tile t (all of its k where t < SPLIT_FROM or without split-K) at
   [row0, col0], fp8: times `scale` (each part scaled, so the sum of the parts is the scaled
   sum).  (the tile's sum, True) where this part completes the tile, (acc, False) where another
   part will (combine; counters: the split counters, this rank's own row of the arrival
-  counters)."""
+  counters).  TRACE: the main loop's end stamped as the CTA's j-th unit (kernels/tl_trace.py)."""
   acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
   if SPLIT_K == 1:
     acc = dot_k(acc, a_desc, b_desc, row0, col0, 0, K, BLOCK_K, FP8)
+    tl_trace.stamp(trace_ptr, j, t, tl_trace.MAIN_DONE, TRACE)
     if FP8:
       acc = acc * scale
     return acc, True
@@ -101,6 +105,7 @@ def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters
   # a whole tile is its only part of one: k-blocks [0, KB) (a ragged last block reads zeros)
   k_lo, k_hi = k_range(tl.where(split, part, 0), K, BLOCK_K, tl.where(split, SPLIT_K, 1))
   acc = dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K, FP8)
+  tl_trace.stamp(trace_ptr, j, t, tl_trace.MAIN_DONE, TRACE)
   if FP8:
     acc = acc * scale
   last = t < SPLIT_FROM

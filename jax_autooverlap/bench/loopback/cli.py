@@ -251,30 +251,39 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
           for impl, (ms, info), extra in records]
 
 
-def trace_case(case: Case, device, calls: int = 3) -> tuple[dict, dict]:
+def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
+               ) -> tuple[dict, dict]:
   """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
-  Gluon kernel on this case (the config bench_case times): the timeline of the last of `calls`
-  calls (bench/timeline.py)."""
+  Gluon kernel on this case (gluon: the config bench_case times), and of each tl AG --variant in
+  `extra` (parse_variants; "ours-<variant name>", kernels/tl_trace.py): the timeline of the
+  last of `calls` calls (bench/timeline.py)."""
   import jax
   from jax_autooverlap.bench import timeline
   from jax_autooverlap.runtime import cuda
   lb = Loopback(case, device)
   num_sms = cuda.sm_count(device.local_hardware_id)
-  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon")
-  if cfg is None:
-    return {}, {}
-  w = case.world
-  rows = case.m // w  # ag: a shard; rs: an owner's output rows
-  cols = case.n // w if case.op == "ag" else case.n
-  per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
-  if case.op == "ag":
-    kind = lambda t: "local" if t < per_source else "peer"
-  else:
-    kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
-  runs = {"engine_alone": (engine_program(cfg, num_sms, trace=True,
-                                          out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
-                           None),
-          "ours": (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)}
+  runs = {}
+  cfg = kernel_configs(case, device.device_kind, ["gluon"]).get("gluon") if gluon else None
+  if cfg is not None:
+    w = case.world
+    rows = case.m // w  # ag: a shard; rs: an owner's output rows
+    cols = case.n // w if case.op == "ag" else case.n
+    per_source = -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
+    if case.op == "ag":
+      kind = lambda t: "local" if t < per_source else "peer"
+    else:
+      kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
+    runs["engine_alone"] = (engine_program(cfg, num_sms, trace=True,
+                                           out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
+                            None)
+    runs["ours"] = (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)
+  tl_variants = [fields for engine, fields in extra if engine == "tl"] if case.op == "ag" else []
+  configs = kernel_configs(case, device.device_kind, ["tl"]) if tl_variants else {}
+  for fields in tl_variants:
+    tl_cfg = explicit_variant(case, configs, "tl", fields)
+    if tl_cfg is not None:
+      runs[f"ours-{variant_name(tl_cfg)}"] = (fused_program(case, tl_cfg, num_sms, trace=True),
+                                              lb.fused_args(), None)
   summaries, raw = {}, {}
   for name, (fn, args, k) in runs.items():
     for _ in range(calls):
@@ -344,7 +353,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
-                       "fused Gluon kernel (kernels/gluon_trace.py): summary JSON + raw .npz")
+                       "fused Gluon kernel (kernels/gluon_trace.py), and of each tl --variant of "
+                       "AG+GEMM (kernels/tl_trace.py): summary JSON + raw .npz")
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
   return ap
@@ -438,8 +448,9 @@ def main(argv=None) -> int:
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
-    if args.trace and "gluon" in engines:
-      summaries, raw = trace_case(case, gpus[0])
+    if args.trace:
+      summaries, raw = trace_case(case, gpus[0], extra=extra if "tl" in engines else (),
+                                  gluon="gluon" in engines)
       for impl, summary in summaries.items():
         timelines.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "impl": impl,
                           **summary, "gpu": gpu, "versions": versions, "date": date})
