@@ -314,3 +314,53 @@ def test_gluon_rs_with_warpgroup_partitions_matches_unfused(shape):
   res = loop.check(lb.fused_program(case, cfg, cuda.sm_count(GPUS[0].local_hardware_id)))
   assert res["rel_err"] <= 2e-2 and res["push_rel_err"] <= 1e-2, res
   assert res["bit_identical_repeat"], res
+
+
+_UNARMED = """
+import jax, numpy as np
+from jax_autooverlap.backends import triton as backend
+from jax_autooverlap.bench import loopback as lb
+from jax_autooverlap.bench.loopback.fixture import np_dtype, workspace_bytes
+from jax_autooverlap.runtime import cuda
+from jax_autooverlap.runtime.errors import CollectiveTimeoutError, check_errors, register_op
+from jax_autooverlap.tuning.config import KernelConfig
+op = {op!r}
+case = lb.Case(op, 128, 1024, 1024, world=8)
+loop = lb.Loopback(case, jax.devices()[0])
+cfg = KernelConfig(engine="tl", block_m=128, block_n=128, num_warps=8, pack_shards=True,
+                   num_comm=8)
+common = dict(world=8, kernel=cfg, out_dtype=np_dtype(case.out_dtype),
+              timeout_s=0.5, num_sms=cuda.sm_count(jax.devices()[0].local_hardware_id),
+              op_id=register_op("packed " + op + " without its peers"),
+              workspace_bytes=workspace_bytes(case))
+launch = ((lambda *x: backend.launch_ag_gemm(*x, return_gathered=False, **common)) if op == "ag"
+          else (lambda *x: backend.launch_gemm_rs(*x, **common)))
+try:  # no set-up kernel: the peers' counters stay zero
+  jax.block_until_ready(jax.jit(launch)(*loop.fused_args()))
+  print("NO ERROR")
+except Exception as e:
+  print("XLA ERROR:", type(e).__name__)
+try:
+  check_errors()
+  print("NO RECORD")
+except CollectiveTimeoutError as e:
+  print("TIMEOUT:", e)
+"""
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_packed_waits_for_every_peer_at_once_time_out_naming_one(op):
+  """The packed kernels wait for a row tile's sources (AG) or the own rows' pushes (GEMM+RS)
+  all at once (kernels/sync.py wait_all_at_least): with no peer's counter armed, the call
+  fails and the record names the op and the lowest peer missing, not a hang.  In a process of
+  its own: the trap leaves the GPU context unusable."""
+  import os
+  import subprocess
+  import sys
+  proc = subprocess.run([sys.executable, "-c", _UNARMED.format(op=op)], capture_output=True,
+                        text=True, timeout=240,
+                        env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+  out = proc.stdout
+  assert "XLA ERROR:" in out and "TIMEOUT:" in out, out[-2000:] + proc.stderr[-2000:]
+  assert f"packed {op} without its peers: rank 0 timed out waiting for chunk" in out, out
+  assert "from peer rank 1 (arrival counter 0, expected 1)" in out, out

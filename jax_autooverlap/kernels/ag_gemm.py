@@ -42,7 +42,8 @@ import triton.language as tl
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import split_k, tl_trace
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
-                                          signal_add, table_address, wait_at_least)
+                                          signal_add, table_address, wait_all_at_least,
+                                          wait_at_least)
 
 
 @triton.jit
@@ -179,11 +180,10 @@ def ag_gemm_kernel(
     if PACK > 1:  # the own sources' row tile first, then rank-1's, ...
       pt = (rank // PACK + PT - t // TN) % PT
       tn = t % TN
-      for j in tl.static_range(PACK):
-        src = pt * PACK + j
-        if src < WORLD:
-          wait_at_least(my_flags + src * MAX_CHUNKS, tl.where(src == rank, OWN_PARTS, PUSH_PARTS),
-                        err_slot, OP_ID, rank, src, 0, TIMEOUT_NS)
+      srcs = pt * PACK + tl.arange(0, PACK)  # every source of the row tile at once
+      wait_all_at_least(my_flags + tl.minimum(srcs, WORLD - 1) * MAX_CHUNKS,
+                        tl.where(srcs == rank, OWN_PARTS, PUSH_PARTS), srcs < WORLD,
+                        err_slot, OP_ID, rank, srcs, 0, TIMEOUT_NS)
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
       acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
                                     scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,

@@ -44,7 +44,8 @@ import triton.language as tl
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import split_k
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
-                                          signal_add, table_address, wait_at_least)
+                                          signal_add, table_address, wait_all_at_least,
+                                          wait_at_least)
 
 
 @triton.jit
@@ -149,10 +150,12 @@ def gemm_rs_kernel(
                        + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1)
         if pt == rank // PACK:  # this GPU's own rows: the peers' partials, in rank order
           own = owner == rank
+          peers = tl.arange(0, FLAG_BLOCK // MAX_CHUNKS)  # every peer's push at once
+          wait_all_at_least(my_flags + tl.minimum(peers, WORLD - 1) * MAX_CHUNKS + tn, 1,
+                            (peers < WORLD) & (peers != rank), err_slot, OP_ID, rank, peers, tn,
+                            TIMEOUT_NS)
           for r in tl.static_range(WORLD):
             if r != rank:
-              wait_at_least(my_flags + r * MAX_CHUNKS + tn, 1, err_slot, OP_ID, rank, r, tn,
-                            TIMEOUT_NS)
               src = my_slots + r * SLOT + r_out * N
               acc += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg",
                              mask=own[:, None] & (cols[None, :] < N), other=0.0).to(tl.float32)

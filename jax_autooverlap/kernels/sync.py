@@ -107,6 +107,38 @@ def _poll(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns: tl
       trap()
 
 
+@triton.jit
+def wait_all_at_least(ptrs, expected, mask, err_slot, op_id, rank, srcs, chunk,
+                      timeout_ns: tl.constexpr):
+  """wait_at_least for a block of counters (ptrs, expected, srcs: blocks of one shape; where
+  mask is false, ptrs must still be valid and nothing is waited for): the acquire loads go out
+  together, one load latency for all of them rather than one each.  Then a CTA barrier (every
+  thread after every acquire) and each thread's async-proxy fence.  On timeout the record names
+  the lowest src still short."""
+  seen = ld_acquire_sys(ptrs)
+  short = mask & (seen < expected)
+  if tl.max(short.to(tl.int32), axis=0) > 0:
+    start = globaltimer()
+    while tl.max(short.to(tl.int32), axis=0) > 0:
+      seen = ld_acquire_sys(ptrs)
+      short = mask & (seen < expected)
+      if globaltimer() - start > timeout_ns:
+        src = tl.min(tl.where(short, srcs, 1 << 30), axis=0)
+        first = short & (srcs == src)
+        rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
+        tl.store(rec + 1, op_id)
+        tl.store(rec + 2, rank)
+        tl.store(rec + 3, src)
+        tl.store(rec + 4, chunk)
+        tl.store(rec + 5, tl.max(tl.where(first, seen, -1), axis=0))
+        tl.store(rec + 6, tl.max(tl.where(first, expected, -1), axis=0))
+        tl.store(rec, ERR_TIMEOUT)
+        fence_sys()
+        trap()
+  tl.debug_barrier()
+  fence_proxy_async()
+
+
 @triton.jit(noinline=True)
 def _poll_out_of_line(ptr, expected, seen, err_slot, op_id, rank, src, chunk,
                       timeout_ns: tl.constexpr):
