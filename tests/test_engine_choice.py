@@ -95,7 +95,8 @@ def test_launchers_hand_gluon_configs_to_the_gluon_backend(monkeypatch, op):
     kw["return_gathered"] = True
   args = ("a", "b", "table", "rank")
   assert getattr(tb, name)(*args, **kw) == "gluon-out"
-  assert seen == [(args, {**kw, "poison": False, "workspace_bytes": None})]
+  passed_on = {"poison": False, "workspace_bytes": None, **({"trace": False} if op == "ag" else {})}
+  assert seen == [(args, {**kw, **passed_on})]
 
 
 def test_bench_sweeps_the_engines_asked_for(monkeypatch):
