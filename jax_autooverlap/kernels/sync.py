@@ -93,18 +93,24 @@ def _poll(ptr, expected, seen, err_slot, op_id, rank, src, chunk, timeout_ns: tl
   while seen < expected:
     seen = ld_acquire_sys(ptr)
     if globaltimer() - start > timeout_ns:
-      rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
-      tl.store(rec + 1, op_id)
-      tl.store(rec + 2, rank)
-      tl.store(rec + 3, src)
-      tl.store(rec + 4, chunk)
-      tl.store(rec + 5, seen)
-      tl.store(rec + 6, expected)
-      # Plain store + full system fence (atomics to host memory over PCIe may be
-      # unsupported), so the record is in host memory before the trap kills us.
-      tl.store(rec, ERR_TIMEOUT)
-      fence_sys()
-      trap()
+      _timed_out(err_slot, op_id, rank, src, chunk, seen, expected)
+
+
+@triton.jit
+def _timed_out(err_slot, op_id, rank, src, chunk, seen, expected):
+  """Write the timeout record whose address is stored at err_slot, then trap."""
+  rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
+  tl.store(rec + 1, op_id)
+  tl.store(rec + 2, rank)
+  tl.store(rec + 3, src)
+  tl.store(rec + 4, chunk)
+  tl.store(rec + 5, seen)
+  tl.store(rec + 6, expected)
+  # Plain store + full system fence (atomics to host memory over PCIe may be
+  # unsupported), so the record is in host memory before the trap kills us.
+  tl.store(rec, ERR_TIMEOUT)
+  fence_sys()
+  trap()
 
 
 @triton.jit
@@ -125,16 +131,8 @@ def wait_all_at_least(ptrs, expected, mask, err_slot, op_id, rank, srcs, chunk,
       if globaltimer() - start > timeout_ns:
         src = tl.min(tl.where(short, srcs, 1 << 30), axis=0)
         first = short & (srcs == src)
-        rec = tl.load(err_slot.to(tl.pointer_type(tl.int64))).to(tl.pointer_type(tl.int32))
-        tl.store(rec + 1, op_id)
-        tl.store(rec + 2, rank)
-        tl.store(rec + 3, src)
-        tl.store(rec + 4, chunk)
-        tl.store(rec + 5, tl.max(tl.where(first, seen, -1), axis=0))
-        tl.store(rec + 6, tl.max(tl.where(first, expected, -1), axis=0))
-        tl.store(rec, ERR_TIMEOUT)
-        fence_sys()
-        trap()
+        _timed_out(err_slot, op_id, rank, src, chunk, tl.max(tl.where(first, seen, -1), axis=0),
+                   tl.max(tl.where(first, expected, -1), axis=0))
   tl.debug_barrier()
   fence_proxy_async()
 
