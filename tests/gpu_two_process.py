@@ -3,7 +3,7 @@
     python tests/gpu_two_process.py [--world 2|4|8[,...]] [--parallel] [--log FILE]
         [--budget-s S] [--timeout-s S]
         [--scenario kernels|missing_peer|nested_step|first_call|fp8_step|fp8_qdq]
-        [--engine tl|gluon [--wg-partitions]] [--packed] [--fp8]
+        [--engine tl|gluon [--wg-partitions]] [--packed] [--split-k S] [--fp8]
 
 starts each scenario as `--world` processes (default 2; several sizes, one after
 the other: --world 8,4,2, or all at once with --parallel; CUDA_VISIBLE_DEVICES=0 in each,
@@ -33,7 +33,10 @@ gluon engine runs GEMM+RS with a consumer partition per warpgroup
 (KernelConfig.wg_partitions).  --packed: the tl kernels with the shards packed into 128x128
 row tiles (KernelConfig.pack_shards; with AO_STEP_DIMS whose S / processes divides 128 into
 two or more, e.g. 256,512,128,2 for nested_step: every rank of the group runs the packed
-kernels, the rank-0 loopback cannot show the other ranks' tiles).  --fp8: the first_call scenario measures the fp8_step's
+kernels, the rank-0 loopback cannot show the other ranks' tiles).  --split-k S: the tl kernels
+with every tile's k-blocks in S parts (KernelConfig.split_k; AG+GEMM's parts then sum their
+rows of a tile together: kernels/split_k.py Spread; e.g. AO_STEP_DIMS=4096,2048,128,2 with
+--packed --split-k 4, whose K per rank has 4 k-blocks or more at 8 processes).  --fp8: the first_call scenario measures the fp8_step's
 program (fp8 matmuls' first call) instead of the bf16 step.
 
 Scenarios:
@@ -847,6 +850,8 @@ def main(argv) -> int:
     os.environ["AO_TEST_ENGINE"] = argv[argv.index("--engine") + 1]
   if "--packed" in argv:  # the tl kernels with packed shards (the workers read it)
     os.environ["AO_TEST_PACKED"] = "1"
+  if "--split-k" in argv:  # the tl kernels with split-K (the workers read it)
+    os.environ["AO_TEST_SPLIT_K"] = argv[argv.index("--split-k") + 1]
   if "--wg-partitions" in argv:  # GEMM+RS with a consumer partition per warpgroup (gluon)
     if os.environ.get("AO_TEST_ENGINE") != "gluon":
       print("--wg-partitions needs --engine gluon", file=sys.stderr)

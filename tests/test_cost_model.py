@@ -478,6 +478,24 @@ def test_a_short_second_wave_of_ag_tiles_is_split_in_two():
       dataclasses.replace(usual[0], split_k=2, split_tail=60),)  # the first tl one's movers
 
 
+def test_spread_split_tiles_give_each_part_a_power_of_2_of_rows():
+  """kernels/split_k.py Spread: every part sums block_m / split_k rows, up to a power of 2 (the
+  last parts then have fewer or none), only where every tile is split and the grid holds a
+  tile's parts at once (they wait for each other)."""
+  from jax_autooverlap.backends import launch
+  k8 = KernelConfig(block_m=64, block_n=256, num_warps=8, split_k=8, pack_shards=True)
+  assert launch.spread_rows(k8, 10, 80) == 8
+  assert launch.spread_rows(KernelConfig(block_m=128, block_n=128, num_warps=8, split_k=8),
+                            10, 80) == 16
+  assert launch.spread_rows(KernelConfig(block_m=64, block_n=256, num_warps=8, split_k=3),
+                            40, 120) == 32  # parts 0 and 1 sum 32 rows each, part 2 none
+  assert launch.spread_rows(KernelConfig(split_k=5), 24, 120) == 32  # 128 rows: 4 parts of 32
+  assert launch.spread_rows(k8, 10, 7) == 0  # 8 parts cannot all run on 7 CTAs
+  assert launch.spread_rows(KernelConfig(split_k=2, split_tail=60), 192, 132) == 0  # a tail
+  assert launch.spread_rows(KernelConfig(split_k=2, split_tail=60), 50, 132) == 64  # all split
+  assert launch.spread_rows(KernelConfig(), 40, 40) == 0
+
+
 def test_a_tail_split_launch_sizes_its_units_and_partials():
   from jax_autooverlap.backends import launch
   cfg = KernelConfig(split_k=2, split_tail=60)

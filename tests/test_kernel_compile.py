@@ -26,6 +26,7 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
 from jax_autooverlap import fp8  # noqa: E402
+from jax_autooverlap.backends.launch import ag_grid, spread_rows  # noqa: E402
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
@@ -404,6 +405,13 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
   _check_engine(ptx, cfg)
+  if op == "ag":  # a spread split tile's parts store their rows without TMA (split_k.py Spread)
+    _, _, _, num_ctas, tiles = ag_grid(m, n, world, cfg, 132)
+    tma_store = "cp.async.bulk.tensor.2d.global.shared" in ptx or \
+        "cp.async.bulk.tensor.3d.global.shared" in ptx
+    assert tma_store == (spread_rows(cfg, tiles, num_ctas) == 0), "not the launch's combine"
+    # a packed unit asks L2 for its B before its waits (split_k.prefetch_b)
+    assert ("prefetch.global.L2" in ptx) == bool(cfg.pack_shards)
   if cfg.split_k > 1:  # the parts' counter (and finish_call's), the partials read past L1
     assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx
   elif cfg.pack_shards and op == "rs":  # the peers' partials of the own rows, read past L1

@@ -327,3 +327,34 @@ def test_model_function_decorated_with_ao_jit_inside_a_users_jitted_train_step(m
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for k in params:
     np.testing.assert_allclose(got_params[k], want_params[k], rtol=1e-4, atol=1e-6)
+
+
+class _Record:
+  """An error record as runtime/cuda.py's ErrorRecord reads it."""
+
+  def __init__(self, *ints):
+    self.ints = list(ints) + [0] * (8 - len(ints))
+
+  def read(self):
+    return list(self.ints)
+
+  def clear(self):
+    self.ints = [0] * 8
+
+
+def test_a_timeout_record_names_the_peer_or_the_split_tile():
+  """kernels/sync.py's timeout record: a peer's chunk (chunk >= 0), or the other parts of a
+  split tile on the GPU itself (kernels/split_k.py spread_rows: chunk -1 - tile)."""
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import CollectiveTimeoutError, check_errors, register_op
+  op = register_op("ag_matmul of x (16x4096 per rank) @ w")
+  rec = _Record(cuda.ERR_TIMEOUT, op, 3, 5, 2, 0, 4)
+  with pytest.raises(CollectiveTimeoutError,
+                     match=r"ag_matmul of x \(16x4096 per rank\) @ w: rank 3 timed out waiting for "
+                           r"chunk 2 from peer rank 5 \(arrival counter 0, expected 4\)"):
+    check_errors(rec)
+  assert rec.read()[0] == 0  # cleared
+  with pytest.raises(CollectiveTimeoutError,
+                     match=r"@ w: rank 3 timed out waiting for the other split-K parts of its "
+                           r"split tile 6 \(counted 5, expected 8\)"):
+    check_errors(_Record(cuda.ERR_TIMEOUT, op, 3, 3, -7, 5, 8))

@@ -94,6 +94,16 @@ def split_from(kernel: KernelConfig, tiles: int) -> int:
   return max(tiles - kernel.split_tail, 0) if kernel.split_tail else 0
 
 
+def spread_rows(kernel: KernelConfig, tiles: int, num_ctas: int) -> int:
+  """The rows of a split tile each part sums in an AG+GEMM launch of num_ctas CTAs
+  (kernels/split_k.py Spread: block_m / split_k up to a power of 2) where every tile is split
+  (SPLIT_FROM 0) and a tile's parts can all run at once (split_k <= num_ctas: the parts wait
+  for each other); else 0 (the part that completes a tile sums all of it)."""
+  if kernel.split_k == 1 or split_from(kernel, tiles) != 0 or num_ctas < kernel.split_k:
+    return 0
+  return 1 << (math.ceil(kernel.block_m / kernel.split_k) - 1).bit_length()
+
+
 def work_units(kernel: KernelConfig, tiles: int) -> int:
   """The work units of a launch of `tiles` output tiles: a whole tile or a part of a split one."""
   first = split_from(kernel, tiles)

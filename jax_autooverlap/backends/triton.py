@@ -20,7 +20,7 @@ from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_ov
 from jax_autooverlap.backends import gluon
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, copy_block, kernel_constants, pack,
                                              parity_bytes, partials_type, rs_grid, split_from,
-                                             trace_out_type, with_scale)
+                                             spread_rows, trace_out_type, with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -93,6 +93,7 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       **copy_block(m, k, kernel.block_m, world, num_comm, bool(kernel.pack_shards)),
       RETURN_GATHERED=return_gathered, SPLIT_K=kernel.split_k,
       SPLIT_FROM=split_from(kernel, tiles), PACK=pack(kernel, "ag", m, n), TRACE=trace,
+      SPREAD=spread_rows(kernel, tiles, num_ctas),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   result = (out, gathered) if return_gathered else out
   return (result, timeline) if trace else result

@@ -16,7 +16,9 @@ Roles (grid <= number of SMs, one CTA per program):
   (acquire, bounded) only for the chunk holding its rows.  The GEMM main
   loop reads A and B through TMA tensor descriptors.
 - With SPLIT_K > 1 the counter hands out parts of tiles (kernels/split_k.py; of
-  the tiles from SPLIT_FROM on): the part that finishes a tile's sum last stores it.
+  the tiles from SPLIT_FROM on): the part that finishes a tile's sum last stores it or, with
+  SPREAD rows per part (backends/launch.py spread_rows), every part sums and stores its
+  SPREAD rows of the tile once all parts have stored their partials (split_k.py's Spread).
 - With PACK > 1 (KernelConfig.pack_shards: shards of M_SHARD = BLOCK_M / PACK rows) a row
   tile is PACK sources' shards, read from the gather buffer, whose every slot is then in use:
   this GPU's own shard is copied into its own slot in OWN_PARTS column parts, which every
@@ -62,6 +64,34 @@ def _copy_rows(src, dst, row0, ROWS: tl.constexpr, COLS: tl.constexpr,
     tl.store(dst + offs, tl.load(src + offs, mask=rmask), mask=rmask)
 
 
+@triton.jit
+def _store_rows(dst, vals, tile_row0, first, col0, ROWS: tl.constexpr, COLS: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+  """dst[tile_row0 + first + i, col0 + j] = vals[i, j] of a row-major [ROWS, COLS], for rows
+  first + i of the tile below BLOCK_M and in bounds: a spread split tile's share of rows
+  (kernels/split_k.py)."""
+  R: tl.constexpr = vals.shape[0]
+  BN: tl.constexpr = vals.shape[1]
+  in_tile = first + tl.arange(0, R)
+  rows = tile_row0 + in_tile
+  cols = col0 + tl.arange(0, BN)
+  offs = rows.to(tl.int64)[:, None] * COLS + cols[None, :]
+  tl.store(dst + offs, vals.to(dst.dtype.element_ty),
+           mask=((in_tile < BLOCK_M) & (rows < ROWS))[:, None] & (cols[None, :] < COLS))
+
+
+@triton.jit
+def _prefetch_unit(b_ptr, u, WORK: tl.constexpr, SPLIT_FROM: tl.constexpr, K: tl.constexpr,
+                   N: tl.constexpr, TN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr):
+  """A packed unit u's B asked for in L2 before its waits (split_k.prefetch_b; not fp8)."""
+  if not FP8:
+    if u < WORK:
+      t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)
+      split_k.prefetch_b(b_ptr, (t % TN) * BLOCK_N, t, part, SPLIT_FROM, K, N, BLOCK_N, BLOCK_K,
+                         SPLIT_K)
+
+
 @lean_launch
 @triton.jit
 def ag_gemm_kernel(
@@ -78,7 +108,7 @@ def ag_gemm_kernel(
     FLAG_BLOCK: tl.constexpr, RETURN_GATHERED: tl.constexpr, TIMEOUT_NS: tl.constexpr,
     OP_ID: tl.constexpr,
     SPLIT_K: tl.constexpr, SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
-    TRACE: tl.constexpr = False,
+    TRACE: tl.constexpr = False, SPREAD: tl.constexpr = 0,
 ):
   dtype = a_ptr.dtype.element_ty
   FP8: tl.constexpr = dtype.is_fp8()
@@ -129,10 +159,18 @@ def ag_gemm_kernel(
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      COPY_ROWS, COPY_COLS)
 
-  # PACK > 1: before its first tile, every CTA (a mover after its pushes, which the peers wait
-  # for) claims parts of the own shard (TM == 1) and copies them, until none is left.
+  # PACK > 1: every CTA (a mover after its pushes, which the peers wait for) claims its first
+  # unit and asks L2 for its B (split_k.prefetch_b), then, before that tile, claims parts of
+  # the own shard (TM == 1) and copies them, until none is left.
+  tile_counter = header + 2 + parity
+  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
+  PER_SRC: tl.constexpr = TM * TN
+  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
+  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
+  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   own_flag = my_flags + rank * MAX_CHUNKS
   if PACK > 1:
+    _prefetch_unit(b_ptr, u, WORK, SPLIT_FROM, K, N, TN, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
     while p < OWN_PARTS:
       _copy_rows(a_ptr, tl.multiple_of(my_bufs + rank.to(tl.int64) * SHARD, 16), 0, M_SHARD, K,
@@ -140,14 +178,13 @@ def ag_gemm_kernel(
       signal_add(own_flag, 1)
       p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
 
-  # Output tiles are handed out by a per-call counter, in the order local
-  # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
+  # Output tiles are handed out by a per-call counter (first claimed above), in the order
+  # local shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
   # join when their pushes are done.  Each tile waits only for its chunk.
   # Descriptors are made once per CTA (made per tile, their device-side
   # creation cost up to 10 %, on 8192x4096x4096).  A ragged last tile row of a peer's
   # shard reads rows of the next shard: they only feed output rows the 3-D
   # output descriptor clips (rows >= M_SHARD of that source).
-  tile_counter = header + 2 + parity
   if FP8:  # b is [N, K]
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
@@ -166,14 +203,9 @@ def ag_gemm_kernel(
   if PACK > 1:  # the gathered rows in row tiles of PACK sources: out is [WORLD * M_SHARD, N]
     packed_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD * M_SHARD, N], strides=[N, 1],
                                             block_shape=[BLOCK_M, BLOCK_N])
-  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
-  PER_SRC: tl.constexpr = TM * TN
   GROUP: tl.constexpr = GROUP_M * TN
-  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
   # the split counters: this rank's own row of arrival counters, after the own shard's (PACK)
   counters = own_flag + (2 if PACK > 1 else 0)
-  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
   nth = 0  # this CTA's units so far (the trace's row)
   while u < WORK:
     t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
@@ -185,11 +217,19 @@ def ag_gemm_kernel(
                         tl.where(srcs == rank, OWN_PARTS, PUSH_PARTS), srcs < WORLD,
                         err_slot, OP_ID, rank, srcs, 0, TIMEOUT_NS)
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
-      acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
-                                    scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
-                                    BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
-      if last:  # else another part of this tile stores it
-        packed_desc.store([pt * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+      if SPREAD > 0:
+        rows = split_k.spread_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part, scale,
+                                   partials_ptr, counters, err_slot, OP_ID, rank, K, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, SPLIT_K, FP8, TIMEOUT_NS, SPREAD, trace_ptr,
+                                   nth, TRACE)
+        _store_rows(out_ptr, rows, pt * BLOCK_M, part * SPREAD, tn * BLOCK_N,
+                    WORLD * M_SHARD, N, BLOCK_M)
+      else:
+        acc, last = split_k.tile_part(bufs_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
+                                      scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
+                                      BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
+        if last:  # else another part of this tile stores it
+          packed_desc.store([pt * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
     else:
       src = (rank + WORLD - t // PER_SRC) % WORLD
       l = t % PER_SRC
@@ -207,15 +247,25 @@ def ag_gemm_kernel(
         a_desc = bufs_desc
         row0 += src * M_SHARD
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
-      acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
-                                    partials_ptr, counters, SPLIT_FROM, K,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
-      if last:  # else another part of this tile stores it
-        o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                     acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+      if SPREAD > 0:
+        rows = split_k.spread_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                   partials_ptr, counters, err_slot, OP_ID, rank, K, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, SPLIT_K, FP8, TIMEOUT_NS, SPREAD, trace_ptr,
+                                   nth, TRACE)
+        _store_rows(out_ptr + src.to(tl.int64) * (M_SHARD * N), rows, tm * BLOCK_M,
+                    part * SPREAD, tn * BLOCK_N, M_SHARD, N, BLOCK_M)
+      else:
+        acc, last = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
+                                      partials_ptr, counters, SPLIT_FROM, K, BLOCK_M, BLOCK_N,
+                                      BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
+        if last:  # else another part of this tile stores it
+          o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
+                       acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
     tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
     nth += 1
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+    if PACK > 1:
+      _prefetch_unit(b_ptr, u, WORK, SPLIT_FROM, K, N, TN, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
 
   tl_trace.end(trace_ptr, TRACE)
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

@@ -11,11 +11,24 @@ then counts itself on the tile's split counter (acq_rel, GPU scope).  The part t
 last sums the S partial tiles in part order 0 .. S-1 (a fixed order: bit-identical results
 whichever part comes last) and finishes the tile as the unsplit kernel does (store, push or
 own-rows sum); the others go on to their next unit.  Partial slots and counters are indexed
-by the split tile's number t - SPLIT_FROM.  No CTA waits for another CTA of its GPU.
+by the split tile's number t - SPLIT_FROM.  No CTA waits for another CTA of its GPU (but
+with Spread).
+
+Spread (SPREAD > 0 rows per part, AG+GEMM: backends/launch.py spread_rows): the last
+part's sum reads S partial tiles through one SM, S one-after-another rounds of L2 latency
+(7.8 us of a 22.7 us call at 70B Q/K/V, TP 8, M = 128, 64x256 split 8: tenth round).  With
+SPREAD every part, once its partial is stored and counted, waits (bounded:
+sync.wait_at_least, the record naming the split tile) until all S have been, then sums its
+own SPREAD rows (BLOCK_M / S up to a power of 2) of the S partials (spread_rows), in part order
+(the same adds as combine: bit-identical), and stores them.
+This wait on other CTAs of the GPU cannot deadlock on CTA scheduling: units are claimed in
+order, so every part below a claimed one is claimed by a running CTA, which stores its
+partial before it waits; a tile's missing parts are the next units, which the next CTA to
+finish its unit claims (S <= the grid: backends/launch.py spread_rows).  Not in Triton's
+interpreter, which runs CTAs one after another (tests/interpret_kernels.py: no SPREAD).
 
 The split counters are this call's arrival counters of the GPU's own rank (runtime/workspace.py
-holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row, no kernel
-waits on it): zero when the call starts, zeroed again with the others by the call's last CTA
+holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row): zero when the call starts, zeroed again with the others by the call's last CTA
 (kernels/sync.py finish_call).  Hence at most MAX_CHUNKS split tiles per call, two fewer
 with packed shards, whose own shard's parts the first two count (kernels/ag_gemm.py;
 tuning/select.py split_k_unsupported; the launchers refuse more).
@@ -29,6 +42,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap.kernels import tl_trace
+from jax_autooverlap.kernels.sync import prefetch_l2, wait_at_least
 
 
 @triton.jit
@@ -41,6 +55,23 @@ def dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K: tl.constexpr, FP
     else:
       acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, col0]), acc)
   return acc
+
+
+@triton.jit
+def prefetch_b(b_ptr, col0, t, part, SPLIT_FROM, K: tl.constexpr, N: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+  """Ask L2 for the columns [col0, col0 + BLOCK_N) of b[K, N]'s k-rows of tile t's part
+  `part` (all of K for a whole tile): what the unit's main loop will read, one address per 128-byte line, for
+  a unit about to wait (a packed AG tile waits for the own shard's copy, ~3.5 us at 70B
+  Q/K/V TP 8, M = 128: tenth round), so that its TMA loads find B in L2.  Not for fp8 (b is
+  [N, K] there)."""
+  LINE: tl.constexpr = 1024 // b_ptr.dtype.element_ty.primitive_bitwidth  # elements
+  split = t >= SPLIT_FROM
+  k_lo, k_hi = k_range(tl.where(split, part, 0), K, BLOCK_K, tl.where(split, SPLIT_K, 1))
+  cols = tl.minimum(col0 + tl.arange(0, BLOCK_N // LINE) * LINE, N - 1)
+  for k in range(k_lo, k_hi, BLOCK_K):
+    rows = tl.minimum(k + tl.arange(0, BLOCK_K), K - 1)
+    prefetch_l2(b_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :])
 
 
 @triton.jit
@@ -113,3 +144,48 @@ def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters
     acc, last = combine(acc, t - SPLIT_FROM, part, partials_ptr, counters, BLOCK_M, BLOCK_N,
                         SPLIT_K)
   return acc, last
+
+
+@triton.jit
+def spread_rows(acc, slot, part, partials_ptr, counters, err_slot, op_id, rank,
+                TIMEOUT_NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_K: tl.constexpr, R: tl.constexpr):
+  """Rows [part * R, part * R + R) of the split tile `slot`'s sum over its parts (the module's
+  Spread; R: a power of 2 >= BLOCK_M / SPLIT_K, so the last parts may have fewer rows or none;
+  rows past BLOCK_M are zeros): store this part's partial, count it, wait for the other parts'
+  counts where this part has rows (a timeout records chunk -1 - slot of the own rank), then
+  sum the rows of every partial in part order."""
+  cols = tl.arange(0, BLOCK_N)
+  rows = tl.arange(0, BLOCK_M)
+  base = partials_ptr + slot.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+  tl.store(base + part * (BLOCK_M * BLOCK_N) + rows[:, None] * BLOCK_N + cols[None, :], acc)
+  tl.debug_barrier()
+  tl.atomic_add(counters + slot, 1, sem="acq_rel", scope="gpu")
+  mine = part * R + tl.arange(0, R)
+  if part * R < BLOCK_M:
+    wait_at_least(counters + slot, SPLIT_K, err_slot, op_id, rank, rank, -1 - slot, TIMEOUT_NS)
+  offs = mine[:, None] * BLOCK_N + cols[None, :]
+  mask = mine[:, None] < BLOCK_M
+  total = tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
+  for r in tl.static_range(1, SPLIT_K):  # part order: the same sums as combine
+    total += tl.load(base + r * (BLOCK_M * BLOCK_N) + offs, mask=mask, other=0.0,
+                     cache_modifier=".cg")
+  return total
+
+
+@triton.jit
+def spread_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters, err_slot,
+                op_id, rank, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
+                TIMEOUT_NS: tl.constexpr, R: tl.constexpr, trace_ptr=0, j=0,
+                TRACE: tl.constexpr = False):
+  """tile_part with Spread (every tile split: SPLIT_FROM == 0): rows [part * R, part * R + R)
+  of tile t's sum (spread_rows), for the caller to store those of them below BLOCK_M."""
+  k_lo, k_hi = k_range(part, K, BLOCK_K, SPLIT_K)
+  acc = dot_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_desc, b_desc, row0, col0, k_lo,
+              k_hi, BLOCK_K, FP8)
+  tl_trace.stamp(trace_ptr, j, t, tl_trace.MAIN_DONE, TRACE)
+  if FP8:
+    acc = acc * scale
+  return spread_rows(acc, t, part, partials_ptr, counters, err_slot, op_id, rank, TIMEOUT_NS,
+                     BLOCK_M, BLOCK_N, SPLIT_K, R)
