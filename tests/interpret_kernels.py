@@ -18,8 +18,8 @@ fixture).  NUM_COMM: the AG's movers (default 2; more split a small shard's push
 column parts, launch.copy_block).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
-has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence,
-the L2 prefetch and the clock nothing.
+has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
+and the clock nothing.
 Prints one line: OK, or what differed.
 """
 import os
@@ -54,13 +54,7 @@ def _zero_clock():
   return 0
 
 
-@triton.jit
-def _no_prefetch(ptrs):
-  pass
-
-
 sync.ld_acquire_sys = _plain_acquire
-sync.prefetch_l2 = _no_prefetch
 sync.fence_proxy_async = _no_fence
 sync.globaltimer = _zero_clock
 

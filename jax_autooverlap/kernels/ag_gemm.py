@@ -80,18 +80,6 @@ def _store_rows(dst, vals, tile_row0, first, col0, ROWS: tl.constexpr, COLS: tl.
            mask=((in_tile < BLOCK_M) & (rows < ROWS))[:, None] & (cols[None, :] < COLS))
 
 
-@triton.jit
-def _prefetch_unit(b_ptr, u, WORK: tl.constexpr, SPLIT_FROM: tl.constexpr, K: tl.constexpr,
-                   N: tl.constexpr, TN: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr):
-  """A packed unit u's B asked for in L2 before its waits (split_k.prefetch_b; not fp8)."""
-  if not FP8:
-    if u < WORK:
-      t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)
-      split_k.prefetch_b(b_ptr, (t % TN) * BLOCK_N, t, part, SPLIT_FROM, K, N, BLOCK_N, BLOCK_K,
-                         SPLIT_K)
-
-
 @lean_launch
 @triton.jit
 def ag_gemm_kernel(
@@ -159,18 +147,10 @@ def ag_gemm_kernel(
           _copy_rows(tl.multiple_of(my_bufs + src.to(tl.int64) * SHARD, 16), dst, tm * BLOCK_M, M_SHARD, K,
                      COPY_ROWS, COPY_COLS)
 
-  # PACK > 1: every CTA (a mover after its pushes, which the peers wait for) claims its first
-  # unit and asks L2 for its B (split_k.prefetch_b), then, before that tile, claims parts of
-  # the own shard (TM == 1) and copies them, until none is left.
-  tile_counter = header + 2 + parity
-  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
-  PER_SRC: tl.constexpr = TM * TN
-  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
-  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
-  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  # PACK > 1: before its first tile, every CTA (a mover after its pushes, which the peers wait
+  # for) claims parts of the own shard (TM == 1) and copies them, until none is left.
   own_flag = my_flags + rank * MAX_CHUNKS
   if PACK > 1:
-    _prefetch_unit(b_ptr, u, WORK, SPLIT_FROM, K, N, TN, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
     p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
     while p < OWN_PARTS:
       _copy_rows(a_ptr, tl.multiple_of(my_bufs + rank.to(tl.int64) * SHARD, 16), 0, M_SHARD, K,
@@ -178,13 +158,14 @@ def ag_gemm_kernel(
       signal_add(own_flag, 1)
       p = tl.atomic_add(own_flag + 1, 1, sem="relaxed", scope="gpu")
 
-  # Output tiles are handed out by a per-call counter (first claimed above), in the order
-  # local shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
+  # Output tiles are handed out by a per-call counter, in the order local
+  # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
   # join when their pushes are done.  Each tile waits only for its chunk.
   # Descriptors are made once per CTA (made per tile, their device-side
   # creation cost up to 10 %, on 8192x4096x4096).  A ragged last tile row of a peer's
   # shard reads rows of the next shard: they only feed output rows the 3-D
   # output descriptor clips (rows >= M_SHARD of that source).
+  tile_counter = header + 2 + parity
   if FP8:  # b is [N, K]
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
@@ -203,9 +184,14 @@ def ag_gemm_kernel(
   if PACK > 1:  # the gathered rows in row tiles of PACK sources: out is [WORLD * M_SHARD, N]
     packed_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD * M_SHARD, N], strides=[N, 1],
                                             block_shape=[BLOCK_M, BLOCK_N])
+  PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
+  PER_SRC: tl.constexpr = TM * TN
   GROUP: tl.constexpr = GROUP_M * TN
+  TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_SRC
   # the split counters: this rank's own row of arrival counters, after the own shard's (PACK)
   counters = own_flag + (2 if PACK > 1 else 0)
+  u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
+  WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
   nth = 0  # this CTA's units so far (the trace's row)
   while u < WORK:
     t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
@@ -264,8 +250,6 @@ def ag_gemm_kernel(
     tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
     nth += 1
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
-    if PACK > 1:
-      _prefetch_unit(b_ptr, u, WORK, SPLIT_FROM, K, N, TN, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
 
   tl_trace.end(trace_ptr, TRACE)
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

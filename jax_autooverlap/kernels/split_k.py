@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap.kernels import tl_trace
-from jax_autooverlap.kernels.sync import prefetch_l2, wait_at_least
+from jax_autooverlap.kernels.sync import wait_at_least
 
 
 @triton.jit
@@ -55,23 +55,6 @@ def dot_k(acc, a_desc, b_desc, row0, col0, k_lo, k_hi, BLOCK_K: tl.constexpr, FP
     else:
       acc = tl.dot(a_desc.load([row0, k]), b_desc.load([k, col0]), acc)
   return acc
-
-
-@triton.jit
-def prefetch_b(b_ptr, col0, t, part, SPLIT_FROM, K: tl.constexpr, N: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-  """Ask L2 for the columns [col0, col0 + BLOCK_N) of b[K, N]'s k-rows of tile t's part
-  `part` (all of K for a whole tile): what the unit's main loop will read, one address per 128-byte line, for
-  a unit about to wait (a packed AG tile waits for the own shard's copy, ~3.5 us at 70B
-  Q/K/V TP 8, M = 128: tenth round), so that its TMA loads find B in L2.  Not for fp8 (b is
-  [N, K] there)."""
-  LINE: tl.constexpr = 1024 // b_ptr.dtype.element_ty.primitive_bitwidth  # elements
-  split = t >= SPLIT_FROM
-  k_lo, k_hi = k_range(tl.where(split, part, 0), K, BLOCK_K, tl.where(split, SPLIT_K, 1))
-  cols = tl.minimum(col0 + tl.arange(0, BLOCK_N // LINE) * LINE, N - 1)
-  for k in range(k_lo, k_hi, BLOCK_K):
-    rows = tl.minimum(k + tl.arange(0, BLOCK_K), K - 1)
-    prefetch_l2(b_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :])
 
 
 @triton.jit

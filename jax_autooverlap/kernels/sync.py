@@ -56,13 +56,6 @@ def fence_sys():
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-  """Ask L2 for the 128-byte lines at ptrs (changes nothing the kernel computes)."""
-  tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def trap():
   tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
                             pack=1)
