@@ -36,8 +36,9 @@ two or more, e.g. 256,512,128,2 for nested_step: every rank of the group runs th
 kernels, the rank-0 loopback cannot show the other ranks' tiles).  --split-k S: the tl kernels
 with every tile's k-blocks in S parts (KernelConfig.split_k; AG+GEMM's parts then sum their
 rows of a tile together: kernels/split_k.py Spread; e.g. AO_STEP_DIMS=4096,2048,128,2 with
---packed --split-k 4, whose K per rank has 4 k-blocks or more at 8 processes).  --fp8: the first_call scenario measures the fp8_step's
-program (fp8 matmuls' first call) instead of the bf16 step.
+--packed --split-k 4, whose K per rank has 4 k-blocks or more at 8 processes).  --fp8: the
+first_call scenario measures the fp8_step's program (fp8 matmuls' first call) instead of the
+bf16 step.
 
 Scenarios:
   kernels       explain says "triton kernel ..., N processes"; AG+GEMM and GEMM+RS

@@ -344,7 +344,7 @@ class _Record:
 
 def test_a_timeout_record_names_the_peer_or_the_split_tile():
   """kernels/sync.py's timeout record: a peer's chunk (chunk >= 0), or the other parts of a
-  split tile on the GPU itself (kernels/split_k.py spread_rows: chunk -1 - tile)."""
+  split tile on the GPU itself (kernels/split_k.py sum_own_rows: chunk -1 - tile)."""
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.runtime.errors import CollectiveTimeoutError, check_errors, register_op
   op = register_op("ag_matmul of x (16x4096 per rank) @ w")

@@ -19,8 +19,8 @@ part's sum reads S partial tiles through one SM, S one-after-another rounds of L
 (7.8 us of a 22.7 us call at 70B Q/K/V, TP 8, M = 128, 64x256 split 8: tenth round).  With
 SPREAD every part, once its partial is stored and counted, waits (bounded:
 sync.wait_at_least, the record naming the split tile) until all S have been, then sums its
-own SPREAD rows (BLOCK_M / S up to a power of 2) of the S partials (spread_rows), in part order
-(the same adds as combine: bit-identical), and stores them.
+own SPREAD rows (BLOCK_M / S up to a power of 2) of the S partials (sum_own_rows), in part
+order (the same adds as combine: bit-identical), and stores them.
 This wait on other CTAs of the GPU cannot deadlock on CTA scheduling: units are claimed in
 order, so every part below a claimed one is claimed by a running CTA, which stores its
 partial before it waits; a tile's missing parts are the next units, which the next CTA to
@@ -28,8 +28,9 @@ finish its unit claims (S <= the grid: backends/launch.py spread_rows).  Not in 
 interpreter, which runs CTAs one after another (tests/interpret_kernels.py: no SPREAD).
 
 The split counters are this call's arrival counters of the GPU's own rank (runtime/workspace.py
-holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row): zero when the call starts, zeroed again with the others by the call's last CTA
-(kernels/sync.py finish_call).  Hence at most MAX_CHUNKS split tiles per call, two fewer
+holds int32[2 parity][world][MAX_CHUNKS]; no peer ever writes a rank's own row): zero when
+the call starts, zeroed again with the others by the call's last CTA (kernels/sync.py
+finish_call).  Hence at most MAX_CHUNKS split tiles per call, two fewer
 with packed shards, whose own shard's parts the first two count (kernels/ag_gemm.py;
 tuning/select.py split_k_unsupported; the launchers refuse more).
 
@@ -130,7 +131,7 @@ def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters
 
 
 @triton.jit
-def spread_rows(acc, slot, part, partials_ptr, counters, err_slot, op_id, rank,
+def sum_own_rows(acc, slot, part, partials_ptr, counters, err_slot, op_id, rank,
                 TIMEOUT_NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, R: tl.constexpr):
   """Rows [part * R, part * R + R) of the split tile `slot`'s sum over its parts (the module's
@@ -163,12 +164,12 @@ def spread_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counte
                 TIMEOUT_NS: tl.constexpr, R: tl.constexpr, trace_ptr=0, j=0,
                 TRACE: tl.constexpr = False):
   """tile_part with Spread (every tile split: SPLIT_FROM == 0): rows [part * R, part * R + R)
-  of tile t's sum (spread_rows), for the caller to store those of them below BLOCK_M."""
+  of tile t's sum (sum_own_rows), for the caller to store those of them below BLOCK_M."""
   k_lo, k_hi = k_range(part, K, BLOCK_K, SPLIT_K)
   acc = dot_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_desc, b_desc, row0, col0, k_lo,
               k_hi, BLOCK_K, FP8)
   tl_trace.stamp(trace_ptr, j, t, tl_trace.MAIN_DONE, TRACE)
   if FP8:
     acc = acc * scale
-  return spread_rows(acc, t, part, partials_ptr, counters, err_slot, op_id, rank, TIMEOUT_NS,
+  return sum_own_rows(acc, t, part, partials_ptr, counters, err_slot, op_id, rank, TIMEOUT_NS,
                      BLOCK_M, BLOCK_N, SPLIT_K, R)

@@ -37,7 +37,7 @@ def check_errors(record: "cuda.ErrorRecord | None" = None):
   if code == 0:
     return
   record.clear()
-  if code == cuda.ERR_TIMEOUT and chunk < 0:  # kernels/split_k.py spread_rows
+  if code == cuda.ERR_TIMEOUT and chunk < 0:  # kernels/split_k.py sum_own_rows
     raise CollectiveTimeoutError(
         f"{describe_op(op_id)}: rank {rank} timed out waiting for the other split-K parts of its "
         f"split tile {-1 - chunk} (counted {seen}, expected {expected}); a CTA of this kernel "
