@@ -234,6 +234,26 @@ def test_records_of_several_runs_merge_in_list_order_the_later_run_winning(tmp_p
   assert "2 of 3 selected entries already measured" in err
 
 
+def test_a_run_cut_short_keeps_every_measured_entry_engine_alone_too(tmp_path):
+  """The list's run writes its records after every entry, the engine alone's with them (a
+  device call cut by its time limit kept the fused kernels' times but not the engine's)."""
+  def rec(impl, ms):
+    return dict(model="llama3-8b", projection="qkv", op="ag", m=128, k=4096, n=6144,
+                world_size=8, local_gemm=[128, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16",
+                impl=impl, median_ms=ms)
+  stem = tmp_path / "NVIDIA-H200-x1-2026-12-03-shapes"
+  records = [rec("gemm_alone", 0.0075), rec("ours", 0.0124), rec("engine_alone", 0.017)]
+  path = shapes.write_records(stem, "", records)
+  assert path == tmp_path / "NVIDIA-H200-x1-2026-12-03-shapes-loopback.json"
+  assert [r["impl"] for r in json.loads(path.read_text())] == ["gemm_alone", "ours"]
+  engine = json.loads((tmp_path / "NVIDIA-H200-x1-2026-12-03-shapes-engine-alone.json")
+                      .read_text())
+  assert [(r["impl"], r["mode"], r["median_ms"]) for r in engine] == [
+      ("engine_alone", "engine", 0.017)]
+  rows = shapes.table_rows(shapes.read_records(sorted(tmp_path.glob("*.json"))))
+  assert rows[0][7:10] == ("1.653", "tl", "2.267")  # ours, kernel, engine alone / cuBLAS
+
+
 def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, monkeypatch,
                                                                      capsys):
   """The notebook's shape-list cell says when there are no runs, else reads every run under

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
@@ -35,15 +34,6 @@ def _fewer_than_peers(pushes: int, pushers: int, world: int) -> bool:
   makes a push descriptor per tile (~0.7 us each) instead of one per peer up front
   (kernels/gluon_gemm_rs.py PUSH_DESC_PER_TILE, gluon_ag_gemm.py PUSH_DESC_PER_UNIT)."""
   return math.ceil(pushes / pushers) < world - 1
-
-
-def _stream_partials(k: int, world: int, kernel: KernelConfig, dtype) -> bool:
-  """Whether GEMM+RS own tiles add the peers' partials inside their main loop
-  (kernels/gluon_gemm_rs.py STREAM): groups of 4 or more (at 2 the one partial is already
-  loaded during the main loop), 16-bit operands (fp8 scales the accumulator after the main
-  loop), and at least 2 k-blocks per segment of WORLD."""
-  return (world >= 4 and np.dtype(dtype).itemsize == 2
-          and math.ceil(k / kernel.block_k) >= 2 * world)
 
 
 def _push_units(k: int, world: int, tm: int) -> int:
@@ -128,6 +118,5 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       M=m, K=k, N=n, STAGES=kernel.num_stages, TRACE=trace,
       WG_PARTS=2 if wg_partitions else 1,
       PUSH_DESC_PER_TILE=_fewer_than_peers((world - 1) * tm * tn, num_ctas, world),
-      STREAM=_stream_partials(k, world, kernel, a.dtype),
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, timeline) if trace else out

@@ -288,6 +288,19 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
+def write_records(stem: pathlib.Path, tag: str, records: list[dict]) -> pathlib.Path:
+  """Write the run's records so far: the fused kernels' and cuBLAS's to
+  <stem>-loopback<tag>.json (returned), the engine alone's to <stem>-engine-alone<tag>.json
+  (where there are any), both read back by --table-from."""
+  path = stem.with_name(stem.name + f"-loopback{tag}.json")
+  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+  engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
+  if engine:
+    stem.with_name(stem.name + f"-engine-alone{tag}.json").write_text(
+        json.dumps(engine, indent=1))
+  return path
+
+
 def main(argv=None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
   from jax_autooverlap.bench.loopback.cli import parse_movers, parse_variants
@@ -344,19 +357,12 @@ def main(argv=None) -> int:
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})
       continue
     records += [{**base, **r} for r in measured]
-    # written after every entry: a run cut short keeps what it measured
-    stem.with_name(stem.name + f"-loopback{args.tag}.json").write_text(
-        json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
+    write_records(stem, args.tag, records)  # after every entry: a run cut short keeps them
     gemm = next((r["median_ms"] for r in measured if r["impl"] == "gemm_alone"), np.nan)
     summary = ", ".join(f"{r['impl']} {r['median_ms'] / gemm:.3f}" for r in measured
                         if r["impl"] != "gemm_alone")
     log(f"[{i}/{len(entries)}] {e.label}: cuBLAS {gemm:.4f} ms; {summary}")
-  path = stem.with_name(stem.name + f"-loopback{args.tag}.json")
-  path.write_text(json.dumps([r for r in records if r["impl"] != "engine_alone"], indent=1))
-  engine = [{**r, "mode": "engine"} for r in records if r["impl"] == "engine_alone"]
-  if engine:
-    stem.with_name(stem.name + f"-engine-alone{args.tag}.json").write_text(
-        json.dumps(engine, indent=1))
+  path = write_records(stem, args.tag, records)
   table = format_table(records)
   path.with_suffix(".txt").write_text(table + "\n")
   print(f"wrote {path}")

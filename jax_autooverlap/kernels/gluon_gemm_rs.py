@@ -33,24 +33,13 @@ Every own tile is handed out after every remote tile on every GPU, so the
 tiles it waits for are already claimed on the peers (deadlock-free, as the
 `tl` kernel); no CTA waits for a CTA of its own GPU.
 
-STREAM (groups of 4 or more, 16-bit operands, at least 2 k-blocks per peer: the launcher
-decides): the epilogue above sums the WORLD - 1 peers' partials one after another with the
-tensor cores idle (15.5 us of an own tile's 34 us at Llama-3-8B's down projection, TP 8:
-eleventh round's timeline).  With STREAM an own tile takes them into its main loop instead
-(_mma_own_streamed): the k-blocks are cut into WORLD segments; behind each of the first
-WORLD - 1 the accumulator adds one peer's partial (rank order), whose TMA load was issued
-at the segment's start, so each load overlaps a segment's MMAs.  The positions are fixed by
-the shape, so results are bit-identical run to run (the adds' order differs from the
-epilogue sum's: peers' partials between k-blocks, not after them).  The bounded wait for a
-peer's chunk moves with its load, before the segment.
-
 fp8 operands: b is [N, K] and each partial is multiplied by this GPU's scale before it is
 pushed or summed (gluon_engine.py says how).
 """
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -76,8 +65,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
               WORLD: gl.constexpr, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr,
               NUM_CTAS: gl.constexpr, FLAGS_OFF: gl.constexpr, BUF_OFF: gl.constexpr,
               PARITY_BYTES: gl.constexpr,
-              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, WG_PARTS: gl.constexpr,
-              STREAM: gl.constexpr):
+              MAX_CHUNKS: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, WG_PARTS: gl.constexpr):
   TOTAL: gl.constexpr = WORLD * TM * TN
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   gl.static_assert(TOTAL < PREFETCH, "tile numbers overlap the prefetch tag")
@@ -96,12 +84,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   j = 1
   t = eng.claim_tile(tile_counter, NUM_CTAS)
   while t < TOTAL:
-    look = 0  # STREAM: the consumers load every partial themselves
-    if not STREAM:
-      look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN,
-                                    GROUP_M, TILES_PER_CHUNK, MAX_CHUNKS,
-                                    a_desc.block_type.shape[0],
-                                    eng.b_block_n(b_desc.block_type.shape, b_desc.dtype), WG_PARTS)
+    look = _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT, N, WORLD, TM, TN, GROUP_M,
+                                  TILES_PER_CHUNK, MAX_CHUNKS, a_desc.block_type.shape[0],
+                                  eng.b_block_n(b_desc.block_type.shape, b_desc.dtype), WG_PARTS)
     eng.publish_tile(tiles, tile_ready, tile_free, j, t + look * PREFETCH)
     j += 1
     # the next claim's atomic is in flight while this tile's loads are issued
@@ -172,53 +157,6 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _mma_own_streamed(a_bufs, b_bufs, ready, empty, it, loads, part_desc, c_smem, part_bar,
-                      flags, expected, err_addr, rank, c, row, col, K: gl.constexpr,
-                      BLOCK_K: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                      M_OUT: gl.constexpr, WORLD: gl.constexpr, MAX_CHUNKS: gl.constexpr,
-                      TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, ROW0: gl.constexpr):
-  """Consumers, STREAM: an own tile's main loop with the WORLD - 1 peers' partials added into
-  it (module docstring); (acc, it, loads), loads counting part_bar's phases.  The k-blocks
-  are cut into WORLD segments, segment q ending at k-block (q + 1) * KB // WORLD; the partial
-  of peer q (rank order, this GPU skipped) is loaded into the epilogue buffer from the start
-  of segment q (after its chunk's bounded wait) and added after the segment's last MMA.
-  flags: this GPU's arrival counters, peer r's chunk c at flags + r * MAX_CHUNKS + c;
-  row, col: the tile's partial in a peer's slot, less r * M_OUT (part_desc's rows)."""
-  STAGES: gl.constexpr = a_bufs.shape[0]
-  KB: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-  gl.static_assert(KB >= 2 * WORLD, "STREAM: at least 2 k-blocks per segment")
-  acc = gl.zeros([ROWS, BLOCK_N], gl.float32, eng.mma_layout(BLOCK_N, ROWS // 16, a_bufs.dtype))
-  q = 0  # the next peer's position in the summation order
-  r = (rank == 0).to(gl.int32)  # its rank
-  wait_at_least(flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c, TIMEOUT_NS,
-                True)
-  eng.load_epilogue_source((part_desc, r * M_OUT + row, col, c_smem, part_bar))
-  for kb in range(KB):
-    acc = eng.mma_k_block(a_bufs, b_bufs, ready, acc, it, ROW0)
-    if q < WORLD - 1:
-      if kb == (q + 1) * KB // WORLD - 1:  # segment q's last k-block
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.wait(part_bar, loads & 1)
-        loads += 1
-        acc += c_smem.load(acc.type.layout).to(gl.float32)
-        q += 1
-        if q < WORLD - 1:
-          r = q + (q >= rank).to(gl.int32)
-          wait_at_least(flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
-                        TIMEOUT_NS, True)
-          # (load_epilogue_source's barrier: every warp has read the partial added above)
-          eng.load_epilogue_source((part_desc, r * M_OUT + row, col, c_smem, part_bar))
-    # every warpgroup of the partition is past k-block it-1 before its stage is handed back
-    tl.debug_barrier()
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kb > 0)
-    it += 1
-  acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-  tl.debug_barrier()  # every warp has read the last partial before the epilogue reuses c_smem
-  mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-  return acc, it, loads
-
-
-@gluon.jit
 def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
@@ -228,7 +166,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
               PARITY_BYTES: gl.constexpr,
               MAX_CHUNKS: gl.constexpr, NUM_CTAS: gl.constexpr, TIMEOUT_NS: gl.constexpr,
               OP_ID: gl.constexpr, TRACE: gl.constexpr, WG: gl.constexpr,
-              WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr, STREAM: gl.constexpr):
+              WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr):
   """The consumers: one partition for whole tiles (WG_PARTS = 1; a warpgroup per 64 rows of
   the tile), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
@@ -295,7 +233,6 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   pending_flag = my_flags
   signals = 0  # releases handed to the signaller so far
   prefetched = 0  # the first tile's partial was not prefetched
-  streamed = 0  # the first tile's main loop took no partials (STREAM: later own tiles do)
   while t < TOTAL:  # (t untagged)
     if eng.b_kmajor(a_bufs.dtype):
       acc = acc * scale
@@ -319,7 +256,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
           eng.tma_store(desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
           pending_flag = peer_flags[i] + c
       pending = 1
-    elif streamed == 0:
+    else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
       for r in gl.static_range(WORLD):
         if r != rank:
@@ -334,9 +271,6 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
           tl.debug_barrier()  # every warp has read the partial before the buffer is reused
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
-    else:  # the peers' partials are in acc already
-      eng.stage_out(acc.to(out_dtype), c_smem)
-      eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)
     j += 1
     t = eng.take(tiles, tile_ready, tile_free, j, WARPS)
@@ -345,27 +279,13 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
     if t < TOTAL:
       # a tagged (own) tile: the first peer's partial has arrived (the producer's acquire,
       # handed on through the tile ring's mbarrier); loaded behind an MMA of the main loop
-      step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
+      _, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
       if prefetched != 0:
         fence_proxy_async()
       trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
-      if STREAM and step == WORLD - 1:  # an own tile (owner (rank + 1 + step) % WORLD)
-        if pending != 0:  # before any wait (module docstring): once per CTA, own tiles last
-          hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
-          signals += 1
-          pending = 0
-        c = tm // TILES_PER_CHUNK
-        expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
-        acc, it, loads = _mma_own_streamed(
-            a_bufs, b_bufs, ready, empty, it, loads, part_desc, c_smem, part_bar, my_flags,
-            expected, err_addr, rank, c, tm * BLOCK_M + ROW0, tn * BLOCK_N, K, BLOCK_K, ROWS,
-            BLOCK_N, M_OUT, WORLD, MAX_CHUNKS, TIMEOUT_NS, OP_ID, ROW0)
-        streamed = 1
-      else:
-        acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N,
-                               (part_desc, first * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
-                                c_smem, part_bar), prefetched != 0, ROW0)
-        streamed = 0
+      acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N,
+                             (part_desc, first * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
+                              c_smem, part_bar), prefetched != 0, ROW0)
       trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
   if pending != 0:
     hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
@@ -387,14 +307,12 @@ def gluon_gemm_rs_kernel(
     BUF_OFF: gl.constexpr, PARITY_BYTES: gl.constexpr, MAX_CHUNKS: gl.constexpr,
     FLAG_BLOCK: gl.constexpr,
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
-    WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr, STREAM: gl.constexpr,
+    WG_PARTS: gl.constexpr, PUSH_DESC_PER_TILE: gl.constexpr,
 ):
   """WG_PARTS: 1 (one consumer partition: two warpgroups for BLOCK_M = 128, one for 64) or 2
   (BLOCK_M = 128 only: a partition per warpgroup, KernelConfig.wg_partitions; launched with 4
   warps, its default partition being warpgroup 0).  PUSH_DESC_PER_TILE: a push descriptor
-  per pushed tile instead of one per peer and CTA (backends/gluon.py chooses).  STREAM: own
-  tiles add the peers' partials in their main loop (module docstring; backends/gluon.py
-  chooses)."""
+  per pushed tile instead of one per peer and CTA (backends/gluon.py chooses)."""
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -426,12 +344,10 @@ def gluon_gemm_rs_kernel(
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
                      WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES,
-                     MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1, PUSH_DESC_PER_TILE,
-                     STREAM)),
+                     MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID, TRACE, 0, 1, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS,
-                     STREAM)),
+                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free),),)),
     ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
   else:
@@ -448,16 +364,15 @@ def gluon_gemm_rs_kernel(
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
-                     TIMEOUT_NS, OP_ID, TRACE, 0, 2, PUSH_DESC_PER_TILE, STREAM)),
+                     TIMEOUT_NS, OP_ID, TRACE, 0, 2, PUSH_DESC_PER_TILE)),
         (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
-                     TIMEOUT_NS, OP_ID, TRACE, 1, 2, PUSH_DESC_PER_TILE, STREAM)),
+                     TIMEOUT_NS, OP_ID, TRACE, 1, 2, PUSH_DESC_PER_TILE)),
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                      table_ptr, rank_ptr, out_ptr, M_OUT, K, N, WORLD, TM, TN, GROUP_M, NUM_CTAS,
-                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS,
-                     STREAM)),
+                     FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, TILES_PER_CHUNK, WG_PARTS)),
         (signaller, (((sig_box, sig_ready, sig_free), (sig1_box, sig1_ready, sig1_free)),)),
     ], [eng.NUM_WARPS // 2, eng.PRODUCER_WARPS, SIGNALLER_WARPS],
        [WG_REGS, eng.PRODUCER_REGS, SIGNALLER_REGS])
