@@ -95,17 +95,17 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
   out["first_tile_at_us"] = [us(min(leads)), us(np.median(leads)), us(max(leads))]
   ends = [rs[-1]["epilogue_done"] - t0 for rs in by_cta.values()]
   out["last_epilogue_at_us"] = [us(min(ends)), us(np.median(ends)), us(max(ends))]
-  rs = rounds(trace)
-  if rs:
-    loaded = [r for r in rs if r["waited"] is not None]
+  own = rounds(trace)
+  if own:
+    loaded = [r for r in own if r["waited"] is not None]
     med = lambda xs: us(np.median(xs)) if xs else None
-    out["round_us"] = {"rounds": len(rs),
+    out["round_us"] = {"rounds": len(own),
                        "wait": med([r["waited"] - r["begin"] for r in loaded]),
                        "issue": med([r["issued"] - r["waited"] for r in loaded]),
                        "arrive": med([r["arrived"] - (r["issued"] if r["issued"] is not None
-                                                      else r["begin"]) for r in rs]),
-                       "add": med([r["added"] - r["arrived"] for r in rs]),
-                       "total": med([r["added"] - r["begin"] for r in rs])}
+                                                      else r["begin"]) for r in own]),
+                       "add": med([r["added"] - r["arrived"] for r in own]),
+                       "total": med([r["added"] - r["begin"] for r in own])}
   last = max(by_cta.values(), key=lambda rs: rs[-1]["epilogue_done"])
   out["last_cta"] = {
       "tiles": len(last),

@@ -9,8 +9,9 @@ Tiles past SLOTS are not recorded.  Row 1 + SLOTS + n holds the CTA's n-th round
 GEMM+RS own tile's sum (one peer's partial: kernels/gluon_gemm_rs.py), %clock64 when its
 bounded wait had passed, its TMA load had been issued, the load had arrived and it had been
 added (0 where the round had no wait and load of its own: the partial loaded in the main
-loop); rounds past ROUNDS are not recorded.  The clock is the SM's cycle counter (bench/timeline.py turns it
-into ns with the clock rate seen between the CTA's two %globaltimer reads).
+loop); rounds past ROUNDS are not recorded.  The clock is the SM's cycle counter
+(bench/timeline.py turns it into ns with the clock rate seen between the CTA's two
+%globaltimer reads).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
