@@ -39,7 +39,7 @@ pushed or summed (gluon_engine.py says how).
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -47,8 +47,8 @@ from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import (all_see_at_least, call_state, finish_call,
                                                 hand_off_release, signaller)
-from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, _poll_out_of_line, epilogue_scale,
-                                          fence_proxy_async, ld_acquire_sys, table_address)
+from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, fence_proxy_async,
+                                          table_address, wait_at_least)
 
 
 # Tile numbers the producer publishes carry PREFETCH when the consumers should load the
@@ -157,25 +157,6 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _wait_peers(flags, expected, rank, err_addr, c, WORLD: gl.constexpr,
-                MAX_CHUNKS: gl.constexpr, TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr):
-  """Consumers, an own tile: wait (bounded) until every peer's chunk c has arrived
-  (flags + r * MAX_CHUNKS >= expected; flags: this GPU's counters of chunk c).  The acquire
-  loads of all WORLD counters go out together (this GPU's own row is read and ignored), a
-  short one is polled out of line (its registers its own), then one CTA barrier and each
-  thread's async-proxy fence: one load latency for the tile, not one per peer."""
-  seen = ()
-  for r in gl.static_range(WORLD):
-    seen = seen + (ld_acquire_sys(flags + r * MAX_CHUNKS),)
-  for r in gl.static_range(WORLD):
-    if (r != rank) & (seen[r] < expected):
-      _poll_out_of_line(flags + r * MAX_CHUNKS, expected, seen[r], err_addr, OP_ID, rank, r, c,
-                        TIMEOUT_NS)
-  tl.debug_barrier()
-  fence_proxy_async()
-
-
-@gluon.jit
 def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
@@ -277,26 +258,20 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       pending = 1
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
-      # every peer's chunk at once: one acquire latency and one barrier for all of them
-      _wait_peers(my_flags + c, expected, rank, err_addr, c, WORLD, MAX_CHUNKS, TIMEOUT_NS,
-                  OP_ID)
-      eng.free_epilogue_buffer()
       for r in gl.static_range(WORLD):
         if r != rank:
           if r != first or prefetched == 0:
+            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
+                          TIMEOUT_NS, WG_PARTS > 1)
             trace.stamp_round(trace_ptr, loads, trace.WAITED, TRACE_HERE)
-            # the buffer is free: free_epilogue_buffer above, or the previous round's end
-            mbarrier.expect(part_bar, part_desc.block_type.nbytes)
-            eng.tma_load(part_desc, [r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N], part_bar,
-                         c_smem)
+            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
+                                      c_smem, part_bar))
             trace.stamp_round(trace_ptr, loads, trace.ISSUED, TRACE_HERE)
           mbarrier.wait(part_bar, loads & 1)
           trace.stamp_round(trace_ptr, loads, trace.ARRIVED, TRACE_HERE)
           loads += 1
           acc += c_smem.load(acc.type.layout).to(gl.float32)
-          # every warp's reads are done, and ordered before the next TMA write of the buffer
-          fence_async_shared()
-          tl.debug_barrier()
+          tl.debug_barrier()  # every warp has read the partial before the buffer is reused
           trace.stamp_round(trace_ptr, loads - 1, trace.ADDED, TRACE_HERE)
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
