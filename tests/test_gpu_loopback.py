@@ -285,8 +285,7 @@ def test_loopback_benchmark_in_a_group_of_8_writes_its_world(tmp_path):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   """--trace builds (kernels/gluon_trace.py) only add clock stamps: the same output bit for bit
-  as the plain build, a timeline row for every tile, and for GEMM+RS a round for every own
-  tile's peer partial (here world 2: one per own tile, ~4 per CTA)."""
+  as the plain build, and a timeline row for every tile."""
   from jax_autooverlap.bench import timeline
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.runtime.errors import check_errors
@@ -301,9 +300,6 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   rows, cols = case.m // 2, (case.n // 2 if op == "ag" else case.n)
   tiles = 2 * -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))
-  rounds = timeline.rounds(np.asarray(trace))
-  assert len(rounds) == (tiles // 2 if op == "rs" else 0)
-  assert all(r["begin"] <= r["arrived"] <= r["added"] for r in rounds)
 
 
 def test_traced_tl_ag_computes_what_the_plain_one_does():

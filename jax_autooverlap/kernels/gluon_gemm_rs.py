@@ -263,16 +263,12 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
           if r != first or prefetched == 0:
             wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
                           TIMEOUT_NS, WG_PARTS > 1)
-            trace.stamp_round(trace_ptr, loads, trace.WAITED, TRACE_HERE)
             eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
                                       c_smem, part_bar))
-            trace.stamp_round(trace_ptr, loads, trace.ISSUED, TRACE_HERE)
           mbarrier.wait(part_bar, loads & 1)
-          trace.stamp_round(trace_ptr, loads, trace.ARRIVED, TRACE_HERE)
           loads += 1
           acc += c_smem.load(acc.type.layout).to(gl.float32)
           tl.debug_barrier()  # every warp has read the partial before the buffer is reused
-          trace.stamp_round(trace_ptr, loads - 1, trace.ADDED, TRACE_HERE)
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)

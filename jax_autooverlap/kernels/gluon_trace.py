@@ -1,17 +1,12 @@
 """A per-tile timeline of the Gluon kernels' consumers, for the loopback benchmark's --trace.
 
 Built in only where a launch asks for it (TRACE = 1; otherwise no code and a 4-element
-placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS + ROUNDS, 4].  Row 0 of a CTA
-holds (%globaltimer, %clock64) read together when its consumers start, to align CTAs; row
-1 + j holds the CTA's j-th tile: (tile number, then %clock64 when the consumers had its
-number, when its main loop had finished, and when its epilogue had issued its TMA store).
-Tiles past SLOTS are not recorded.  Row 1 + SLOTS + n holds the CTA's n-th round of a
-GEMM+RS own tile's sum (one peer's partial: kernels/gluon_gemm_rs.py), %clock64 when its
-bounded wait had passed, its TMA load had been issued, the load had arrived and it had been
-added (0 where the round had no wait and load of its own: the partial loaded in the main
-loop); rounds past ROUNDS are not recorded.  The clock is the SM's cycle counter
-(bench/timeline.py turns it into ns with the clock rate seen between the CTA's two
-%globaltimer reads).
+placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS, 4].  Row 0 of a CTA holds
+(%globaltimer, %clock64) read together when its consumers start, to align CTAs; row 1 + j
+holds the CTA's j-th tile: (tile number, then %clock64 when the consumers had its number,
+when its main loop had finished, and when its epilogue had issued its TMA store).  Tiles
+past SLOTS are not recorded.  The clock is the SM's cycle counter (bench/timeline.py turns it
+into ns with the clock rate seen between the CTA's two %globaltimer reads).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -19,23 +14,17 @@ from triton.experimental.gluon import language as gl
 from jax_autooverlap.kernels.sync import clock64, globaltimer
 
 SLOTS = gl.constexpr(256)
-ROUNDS = gl.constexpr(64)
 FIELDS = gl.constexpr(4)
 GOT_TILE = gl.constexpr(1)
 MAIN_DONE = gl.constexpr(2)
 EPILOGUE_DONE = gl.constexpr(3)
-# a round's fields
-WAITED = gl.constexpr(0)
-ISSUED = gl.constexpr(1)
-ARRIVED = gl.constexpr(2)
-ADDED = gl.constexpr(3)
 
 
 @gluon.jit
 def start(trace_ptr, TRACE: gl.constexpr):
   """Consumers, first thing: the CTA's (globaltimer, clock64) pair."""
   if TRACE:
-    row = trace_ptr + gl.program_id(0) * (1 + SLOTS + ROUNDS) * FIELDS
+    row = trace_ptr + gl.program_id(0) * (1 + SLOTS) * FIELDS
     gl.store(row, globaltimer())
     gl.store(row + 1, clock64())
 
@@ -45,18 +34,9 @@ def stamp(trace_ptr, j, t, field: gl.constexpr, TRACE: gl.constexpr):
   """Consumers: the clock at event `field` of the CTA's j-th tile t."""
   if TRACE:
     if j < SLOTS:
-      row = trace_ptr + (gl.program_id(0) * (1 + SLOTS + ROUNDS) + 1 + j) * FIELDS
+      row = trace_ptr + (gl.program_id(0) * (1 + SLOTS) + 1 + j) * FIELDS
       if field == GOT_TILE:
         gl.store(row, t.to(gl.int64))
-      gl.store(row + field, clock64())
-
-
-@gluon.jit
-def stamp_round(trace_ptr, n, field: gl.constexpr, TRACE: gl.constexpr):
-  """Consumers: the clock at event `field` (WAITED .. ADDED) of the CTA's n-th own-tile round."""
-  if TRACE:
-    if n < ROUNDS:
-      row = trace_ptr + (gl.program_id(0) * (1 + SLOTS + ROUNDS) + 1 + SLOTS + n) * FIELDS
       gl.store(row + field, clock64())
 
 
@@ -64,6 +44,6 @@ def stamp_round(trace_ptr, n, field: gl.constexpr, TRACE: gl.constexpr):
 def end(trace_ptr, TRACE: gl.constexpr):
   """Consumers, last thing: a second globaltimer in row 0 (with the clock, the CTA's clock rate)."""
   if TRACE:
-    row = trace_ptr + gl.program_id(0) * (1 + SLOTS + ROUNDS) * FIELDS
+    row = trace_ptr + gl.program_id(0) * (1 + SLOTS) * FIELDS
     gl.store(row + 2, globaltimer())
     gl.store(row + 3, clock64())

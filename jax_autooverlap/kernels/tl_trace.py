@@ -2,12 +2,12 @@
 benchmark's --trace with a tl --variant: where a small fused call's time goes.
 
 The layout is kernels/gluon_trace.py's (bench/timeline.py reads both): int64
-[num_ctas, 1 + SLOTS + ROUNDS, 4] (no rounds recorded here).  Row 0 of a CTA: (%globaltimer,
-%clock64) at its start, then both again at its end.  Row 1 + j: the CTA's j-th work unit (a
-tile, or a part of a split tile: kernels/split_k.py), then %clock64 when its waits had passed
-(so a CTA's first row shows its pushes, its share of the own shard's copy and the wait for
-every source), when its main loop had finished, and when its epilogue (split-K's combine, the
-store) had.  Built in only with TRACE = 1.
+[num_ctas, 1 + SLOTS, 4].  Row 0 of a CTA: (%globaltimer, %clock64) at its start, then both
+again at its end.  Row 1 + j: the CTA's j-th work unit (a tile, or a part of a split tile:
+kernels/split_k.py), then %clock64 when its waits had passed (so a CTA's first row shows its
+pushes, its share of the own shard's copy and the wait for every source), when its main loop
+had finished, and when its epilogue (split-K's combine, the store) had.  Built in only with
+TRACE = 1.
 """
 import triton
 import triton.language as tl
@@ -15,7 +15,6 @@ import triton.language as tl
 from jax_autooverlap.kernels.sync import clock64, globaltimer
 
 SLOTS = tl.constexpr(256)  # gluon_trace.py's layout (tests/test_loopback.py checks it)
-ROUNDS = tl.constexpr(64)
 FIELDS = tl.constexpr(4)
 GOT_TILE = tl.constexpr(1)
 MAIN_DONE = tl.constexpr(2)
@@ -26,7 +25,7 @@ EPILOGUE_DONE = tl.constexpr(3)
 def start(trace_ptr, TRACE: tl.constexpr):
   """First thing: the CTA's (globaltimer, clock64) pair."""
   if TRACE:
-    row = trace_ptr + tl.program_id(0) * (1 + SLOTS + ROUNDS) * FIELDS
+    row = trace_ptr + tl.program_id(0) * (1 + SLOTS) * FIELDS
     tl.store(row, globaltimer())
     tl.store(row + 1, clock64())
 
@@ -36,7 +35,7 @@ def stamp(trace_ptr, j, u, field: tl.constexpr, TRACE: tl.constexpr):
   """The clock at event `field` of the CTA's j-th work unit u."""
   if TRACE:
     if j < SLOTS:
-      row = trace_ptr + (tl.program_id(0) * (1 + SLOTS + ROUNDS) + 1 + j) * FIELDS
+      row = trace_ptr + (tl.program_id(0) * (1 + SLOTS) + 1 + j) * FIELDS
       if field == GOT_TILE:
         tl.store(row, u.to(tl.int64))
       tl.store(row + field, clock64())
@@ -46,6 +45,6 @@ def stamp(trace_ptr, j, u, field: tl.constexpr, TRACE: tl.constexpr):
 def end(trace_ptr, TRACE: tl.constexpr):
   """Last thing: a second globaltimer (with the clock, the CTA's clock rate)."""
   if TRACE:
-    row = trace_ptr + tl.program_id(0) * (1 + SLOTS + ROUNDS) * FIELDS
+    row = trace_ptr + tl.program_id(0) * (1 + SLOTS) * FIELDS
     tl.store(row + 2, globaltimer())
     tl.store(row + 3, clock64())
