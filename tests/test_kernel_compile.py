@@ -465,3 +465,18 @@ def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op,
              op=op)
   _check_dtype(ptx, jnp.float8_e4m3fn)
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
+
+
+@pytest.mark.parametrize("mode", ["full", "tma", "read"])
+def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
+  """bench/own_round.py (the GEMM+RS own-tile round in isolation, run on the GPU machine):
+  its kernel builds in each mode, TMA-loads where it should, and does not spill."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "own_round", pathlib.Path(__file__).resolve().parents[1] / "bench" / "own_round.py")
+  own_round = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(own_round)
+  f, parts = own_round.program(132, 7, mode, False, 132 * 7 * 128)
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f, [parts])
+  assert "cp.async.bulk.tensor" in ptx  # mode read loads its one tile too, before the clock
+  _assert_no_spills(ptx, tmp_path)

@@ -1,0 +1,142 @@
+"""One own-tile round of the Gluon GEMM+RS epilogue in isolation (GPU machine only; an experiment).
+
+    python3 bench/own_round.py [--rounds 7] [--out DIR]
+
+The fused GEMM+RS kernel spends ~2.2 us per peer on each own tile at TP 8 (15.5 us of a tile's
+epilogue; docs/NOTES.md, twelfth round): a round TMA-loads the peer's 128x256 bf16 partial
+(64 KB) into the epilogue buffer, waits for it, reads it in the accumulator's layout and adds
+it, then a CTA barrier.  Neither the aggregate DRAM bandwidth (the own tiles spread over the
+kernel: unchanged) nor DRAM latency (every partial prefetched into L2: unchanged) explains it.
+This kernel runs only such rounds, on GRID CTAs of 8 warps (the fused kernel's consumers), and
+times them in-kernel (globaltimer per CTA), so the round's parts can be told apart:
+
+  mode full   free the buffer (store_wait, fence, barrier), TMA load, wait, read + add, barrier
+  mode tma    the same without the read and add: the TMA load and its wait
+  mode read   the read + add and barrier only, on a tile loaded once
+
+each from DRAM (every CTA and round its own tile; 60 MB at 7 rounds on 132 CTAs) and from L2
+(every CTA the same ROUNDS tiles), on 132 CTAs and on 16.  Prints ns per round (median over
+CTAs, of the second call) and writes own_round.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import triton.language as tl  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+
+from jax_autooverlap._compat import lean_launch  # noqa: E402
+from jax_autooverlap.kernels import gluon_engine as eng  # noqa: E402
+from jax_autooverlap.kernels.sync import clock64, globaltimer  # noqa: E402
+
+BLOCK_M, BLOCK_N, WARPS = 128, 256, 8
+MODES = {"full": 0, "tma": 1, "read": 2}
+
+
+@lean_launch
+@gluon.jit
+def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: gl.constexpr,
+                     N: gl.constexpr, ROUNDS: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, MODE: gl.constexpr, SHARED: gl.constexpr):
+  layout: gl.constexpr = eng.mma_layout(BLOCK_N, gl.num_warps(), gl.bfloat16)
+  desc = eng.make_desc(parts_ptr, [ROWS_TOTAL, N], [N, 1], [BLOCK_M, BLOCK_N])
+  c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], desc.layout)
+  bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+  mbarrier.init(bar, count=1)
+  pid = gl.program_id(0)
+  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+  if MODE == 2:  # one tile, loaded before the clock starts
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    eng.tma_load(desc, [0, 0], bar, c_smem)
+    mbarrier.wait(bar, 0)
+  tl.debug_barrier()
+  t0 = clock64()
+  g0 = globaltimer()
+  for r in range(ROUNDS):
+    if MODE != 2:
+      if SHARED:
+        row = r * BLOCK_M
+      else:
+        row = (pid * ROUNDS + r) * BLOCK_M
+      eng.free_epilogue_buffer()
+      mbarrier.expect(bar, desc.block_type.nbytes)
+      eng.tma_load(desc, [row, 0], bar, c_smem)
+      mbarrier.wait(bar, r & 1)
+    if MODE != 1:
+      acc += c_smem.load(layout).to(gl.float32)
+      tl.debug_barrier()
+  g1 = globaltimer()
+  t1 = clock64()
+  gl.store(clocks_ptr + pid * 2, (g1 - g0).to(gl.int64))
+  gl.store(clocks_ptr + pid * 2 + 1, (t1 - t0).to(gl.int64))
+  gl.store(sums_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))  # keeps the reads live
+
+
+def program(grid: int, rounds: int, mode: str, shared: bool, rows_total: int):
+  """(jitted f(parts) -> (ns and cycles [grid, 2] int64, sums [grid] f32), parts' spec)."""
+  import jax
+  import numpy as np
+  from jax_autooverlap._compat import import_jax_triton, scratch_out_type
+  jt = import_jax_triton()
+  spec = jax.ShapeDtypeStruct((rows_total, BLOCK_N), jax.numpy.bfloat16)
+
+  def f(parts):
+    clocks, sums, _ = jt.triton_call(
+        parts, kernel=own_round_kernel, name="ao_own_round",
+        out_type=(jax.ShapeDtypeStruct((grid, 2), np.int64),
+                  jax.ShapeDtypeStruct((grid,), np.float32), scratch_out_type(grid)),
+        grid=(grid,), num_warps=WARPS, compute_capability=90, ROWS_TOTAL=rows_total, N=BLOCK_N,
+        ROUNDS=rounds, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MODE=MODES[mode], SHARED=shared)
+    return clocks, sums
+  return jax.jit(f), spec
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  import jax
+  import numpy as np
+  rows_total = 132 * args.rounds * BLOCK_M
+  parts = jax.device_put(jax.random.normal(jax.random.key(0), (rows_total, BLOCK_N),
+                                           jax.numpy.bfloat16))
+  want_row_sums = np.asarray(parts, np.float32).reshape(-1, BLOCK_M * BLOCK_N).sum(axis=1)
+  rows = []
+  for grid in (132, 16):
+    for shared in (False, True):
+      for mode in MODES if not shared else ("full", "tma"):  # read: no source
+        f, _ = program(grid, args.rounds, mode, shared, rows_total)
+        f(parts)
+        clocks, sums = jax.block_until_ready(f(parts))
+        clocks, sums = np.asarray(clocks), np.asarray(sums)
+        # what the rounds added: each CTA's tiles (mode read: tile 0, ROUNDS times)
+        tiles = [[0] * args.rounds if mode == "read" else
+                 list(range(args.rounds)) if shared else
+                 [c * args.rounds + r for r in range(args.rounds)] for c in range(grid)]
+        want = np.array([want_row_sums[t].sum() for t in tiles])
+        ok = bool(mode == "tma" or np.allclose(sums, want, rtol=2e-2, atol=2.0))
+        row = dict(grid=grid, source="L2" if shared else "DRAM", mode=mode,
+                   ns_per_round=float(np.median(clocks[:, 0])) / args.rounds,
+                   ns_per_round_max=float(clocks[:, 0].max()) / args.rounds,
+                   cycles_per_round=float(np.median(clocks[:, 1])) / args.rounds, sums_ok=ok)
+        rows.append(row)
+        print(f"[own_round] grid {grid:3d} {row['source']:4s} {mode:4s}: "
+              f"{row['ns_per_round']:7.0f} ns/round (max {row['ns_per_round_max']:.0f}), "
+              f"{row['cycles_per_round']:6.0f} cycles; sums {'ok' if ok else 'WRONG'}", flush=True)
+  out = pathlib.Path(args.out) / "own_round.json"
+  out.write_text(json.dumps(dict(rounds=args.rounds, device=str(jax.devices()[0].device_kind),
+                                 rows=rows), indent=1))
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
