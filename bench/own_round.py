@@ -13,6 +13,10 @@ times them in-kernel (globaltimer per CTA), so the round's parts can be told apa
   mode full   free the buffer (store_wait, fence, barrier), TMA load, wait, read + add, barrier
   mode tma    the same without the read and add: the TMA load and its wait
   mode read   the read + add and barrier only, on a tile loaded once
+  mode ldg    no TMA and no shared memory: each thread loads its elements of the partial in the
+              accumulator's layout from global memory (past L1) and adds them; the rounds
+              unrolled, so the loads of several peers can be in flight at once (the way round
+              a one-box-at-a-time TMA path, if that is what costs)
 
 each from DRAM (every CTA and round its own tile; 60 MB at 7 rounds on 132 CTAs) and from L2
 (every CTA the same ROUNDS tiles), on 132 CTAs and on 16.  Prints ns per round (median over
@@ -38,7 +42,7 @@ from jax_autooverlap.kernels import gluon_engine as eng  # noqa: E402
 from jax_autooverlap.kernels.sync import clock64, globaltimer  # noqa: E402
 
 BLOCK_M, BLOCK_N, WARPS = 128, 256, 8
-MODES = {"full": 0, "tma": 1, "read": 2}
+MODES = {"full": 0, "tma": 1, "read": 2, "ldg": 3}
 
 
 @lean_launch
@@ -60,7 +64,19 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
   tl.debug_barrier()
   t0 = clock64()
   g0 = globaltimer()
-  for r in range(ROUNDS):
+  if MODE == 3:
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    offs = rows[:, None] * N + cols[None, :]
+    for r in gl.static_range(ROUNDS):
+      if SHARED:
+        row = r * BLOCK_M
+      else:
+        row = (pid * ROUNDS + r) * BLOCK_M
+      acc += gl.load(parts_ptr + row.to(gl.int64) * N + offs, cache_modifier=".cg").to(
+          gl.float32)
+    tl.debug_barrier()
+  for r in range(ROUNDS if MODE != 3 else 0):
     if MODE != 2:
       if SHARED:
         row = r * BLOCK_M
@@ -113,7 +129,7 @@ def main():
   rows = []
   for grid in (132, 16):
     for shared in (False, True):
-      for mode in MODES if not shared else ("full", "tma"):  # read: no source
+      for mode in MODES if not shared else ("full", "tma", "ldg"):  # read: no source
         f, _ = program(grid, args.rounds, mode, shared, rows_total)
         f(parts)
         clocks, sums = jax.block_until_ready(f(parts))

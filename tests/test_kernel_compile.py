@@ -467,7 +467,7 @@ def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op,
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-@pytest.mark.parametrize("mode", ["full", "tma", "read"])
+@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg"])
 def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   """bench/own_round.py (the GEMM+RS own-tile round in isolation, run on the GPU machine):
   its kernel builds in each mode, TMA-loads where it should, and does not spill."""
@@ -478,5 +478,7 @@ def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   spec.loader.exec_module(own_round)
   f, parts = own_round.program(132, 7, mode, False, 132 * 7 * 128)
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f, [parts])
-  assert "cp.async.bulk.tensor" in ptx  # mode read loads its one tile too, before the clock
+  # mode read loads its one tile too, before the clock; mode ldg loads none
+  assert ("cp.async.bulk.tensor" in ptx) == (mode != "ldg")
+  assert ("ld.global.cg" in ptx) == (mode == "ldg")
   _assert_no_spills(ptx, tmp_path)
