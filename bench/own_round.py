@@ -13,6 +13,8 @@ times them in-kernel (globaltimer per CTA), so the round's parts can be told apa
   mode full   free the buffer (store_wait, fence, barrier), TMA load, wait, read + add, barrier
   mode tma    the same without the read and add: the TMA load and its wait
   mode read   the read + add and barrier only, on a tile loaded once
+  mode nofence  full without the proxy fence and store wait before each load (a barrier only:
+              not a correct ordering in general, it prices that fence)
   mode ldg    no TMA and no shared memory: each thread loads its elements of the partial in the
               accumulator's layout from global memory (past L1) and adds them; the rounds
               unrolled, so the loads of several peers can be in flight at once (the way round
@@ -42,7 +44,7 @@ from jax_autooverlap.kernels import gluon_engine as eng  # noqa: E402
 from jax_autooverlap.kernels.sync import clock64, globaltimer  # noqa: E402
 
 BLOCK_M, BLOCK_N, WARPS = 128, 256, 8
-MODES = {"full": 0, "tma": 1, "read": 2, "ldg": 3}
+MODES = {"full": 0, "tma": 1, "read": 2, "ldg": 3, "nofence": 4}
 
 
 @lean_launch
@@ -82,11 +84,14 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
         row = r * BLOCK_M
       else:
         row = (pid * ROUNDS + r) * BLOCK_M
-      eng.free_epilogue_buffer()
+      if MODE == 4:
+        tl.debug_barrier()
+      else:
+        eng.free_epilogue_buffer()
       mbarrier.expect(bar, desc.block_type.nbytes)
       eng.tma_load(desc, [row, 0], bar, c_smem)
       mbarrier.wait(bar, r & 1)
-    if MODE != 1:
+    if MODE != 1 and MODE != 3:
       acc += c_smem.load(layout).to(gl.float32)
       tl.debug_barrier()
   g1 = globaltimer()
@@ -129,7 +134,7 @@ def main():
   rows = []
   for grid in (132, 16):
     for shared in (False, True):
-      for mode in MODES if not shared else ("full", "tma", "ldg"):  # read: no source
+      for mode in MODES if not shared else ("full", "tma", "ldg", "nofence"):  # read: no source
         f, _ = program(grid, args.rounds, mode, shared, rows_total)
         f(parts)
         clocks, sums = jax.block_until_ready(f(parts))

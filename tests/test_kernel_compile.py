@@ -467,7 +467,7 @@ def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op,
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg"])
+@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg", "nofence"])
 def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   """bench/own_round.py (the GEMM+RS own-tile round in isolation, run on the GPU machine):
   its kernel builds in each mode, TMA-loads where it should, and does not spill."""
