@@ -8,6 +8,11 @@
 #   launch-cost           python -m jax_autooverlap.bench.launch_cost (host cost of a launch)
 #   tests-loopback | tests-gluon_gemm   one-GPU tests: fused kernels in loopback, the Gluon engine's GEMM
 #   loopback-ag | loopback-rs   python -m jax_autooverlap.bench ag|rs --loopback (one GPU; BENCH_ARGS)
+#   ab-ag | ab-rs         loopback-ag|rs in this tree (tag "new") and in each tree of AB_TREES (space-
+#                         separated dirs holding an older jax_autooverlap/, carried, e.g. made by
+#                         `git archive REV jax_autooverlap | tar -x -C .old/base`; tag: the dir's
+#                         name), one after the other in one call, each bounded by BENCH_TIMEOUT;
+#                         then every tree's ratio lines, grouped by shape
 #   shapes                python -m jax_autooverlap.bench shapes --loopback (the LLM shape list;
 #                         SHAPES_ARGS, split like BENCH_ARGS: filters, rounds; its table last)
 #   engine                python -m jax_autooverlap.bench.engine (one GPU; BENCH_ARGS)
@@ -59,6 +64,21 @@ for step in "$@"; do
     loopback-ag|loopback-rs)
       timeout ${BENCH_TIMEOUT:-420} python3 -m jax_autooverlap.bench "${step#loopback-}" --loopback \
         --out "$OUT" "${bench_args[@]}" 2>&1 | tee "$OUT/$step.log" ;;
+    ab-ag|ab-rs)
+      op=${step#ab-}
+      for tree in . ${AB_TREES:-}; do
+        tag=$([[ $tree == . ]] && echo new || basename "$tree")
+        mkdir -p "$OUT/ab-$tag"
+        ( cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout ${BENCH_TIMEOUT:-420} python3 -m \
+            jax_autooverlap.bench "$op" --loopback --out "$OUT/ab-$tag" --tag "$tag" \
+            "${bench_args[@]}" ) > "$OUT/ab-$tag/loopback-$op.log" 2>&1
+        s=$?; [[ $s != 0 ]] && { echo "=== ab: $tree failed: rc $s"; rc=$s; }
+      done
+      # "TAG SHAPE ENGINE: ms (ratio x cuBLAS)", grouped by shape
+      grep -H " x cuBLAS" "$OUT"/ab-*/loopback-"$op".log \
+        | sed -E 's#^.*/ab-([^/]+)/[^:]*:\[loopback [0-9:]+\] [a-z]+ #\1 #' \
+        | sort -s -k2,2 | tee "$OUT/ab-$op.txt"
+      (exit $rc) ;;
     shapes)
       timeout ${SHAPES_TIMEOUT:-${BENCH_TIMEOUT:-420}} python3 -m jax_autooverlap.bench shapes \
         --loopback --out "$OUT" "${shapes_args[@]}" 2>&1 | tee "$OUT/shapes.log" ;;
