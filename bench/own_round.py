@@ -19,6 +19,9 @@ times them in-kernel (globaltimer per CTA), so the round's parts can be told apa
               accumulator's layout from global memory (past L1) and adds them; the rounds
               unrolled, so the loads of several peers can be in flight at once (the way round
               a one-box-at-a-time TMA path, if that is what costs)
+  mode halves / quarters  full with the tile in 2 / 4 column blocks, each on its own barrier,
+              the accumulator split likewise (gluon_engine.split_columns): a block of the next
+              round is loaded as soon as this round's is read, so loads overlap the adds
 
 each from DRAM (every CTA and round its own tile; 60 MB at 7 rounds on 132 CTAs) and from L2
 (every CTA the same ROUNDS tiles), on 132 CTAs and on 16.  Prints ns per round (median over
@@ -37,14 +40,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import triton.language as tl  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier  # noqa: E402
 
 from jax_autooverlap._compat import lean_launch  # noqa: E402
 from jax_autooverlap.kernels import gluon_engine as eng  # noqa: E402
 from jax_autooverlap.kernels.sync import clock64, globaltimer  # noqa: E402
 
 BLOCK_M, BLOCK_N, WARPS = 128, 256, 8
-MODES = {"full": 0, "tma": 1, "read": 2, "ldg": 3, "nofence": 4}
+MODES = {"full": 0, "tma": 1, "read": 2, "ldg": 3, "nofence": 4, "halves": 5, "quarters": 6}
 
 
 @lean_launch
@@ -58,7 +61,16 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
   bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
   mbarrier.init(bar, count=1)
   pid = gl.program_id(0)
-  acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+  # a zero the compiler cannot see (the clock is < 2**62): as in the fused kernel, the
+  # accumulator holds unknown values, so no add of a round is folded away
+  acc = gl.full([BLOCK_M, BLOCK_N], (clock64() >> 62).to(gl.float32), gl.float32, layout)
+  if MODE >= 5:  # the tile in PARTS column blocks, each with its own barrier
+    PARTS: gl.constexpr = 2 if MODE == 5 else 4
+    W: gl.constexpr = BLOCK_N // PARTS
+    part_desc = eng.make_desc(parts_ptr, [ROWS_TOTAL, N], [N, 1], [BLOCK_M, W])
+    part_bars = gl.allocate_shared_memory(gl.int64, [PARTS, 1], mbarrier.MBarrierLayout())
+    for h in gl.static_range(PARTS):
+      mbarrier.init(part_bars.index(h), count=1)
   if MODE == 2:  # one tile, loaded before the clock starts
     mbarrier.expect(bar, desc.block_type.nbytes)
     eng.tma_load(desc, [0, 0], bar, c_smem)
@@ -78,7 +90,25 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
       acc += gl.load(parts_ptr + row.to(gl.int64) * N + offs, cache_modifier=".cg").to(
           gl.float32)
     tl.debug_barrier()
-  for r in range(ROUNDS if MODE != 3 else 0):
+  if MODE >= 5:
+    # round r + 1's block h is loaded as soon as every warp has read round r's: while the
+    # warps add the other blocks, it is in flight
+    accs = eng.split_columns(acc, PARTS)
+    for h in gl.static_range(PARTS):
+      _load_block(part_desc, part_bars, c_smem, pid, 0, h, ROUNDS, BLOCK_M, W, SHARED)
+    for r in range(ROUNDS):
+      summed = ()
+      for h in gl.static_range(PARTS):
+        mbarrier.wait(part_bars.index(h), r & 1)
+        block = c_smem.slice(h * W, W, dim=1).load(accs[h].type.layout)
+        summed = summed + (eng.add_partial(accs[h], block),)
+        fence_async_shared()
+        tl.debug_barrier()
+        if r + 1 < ROUNDS:
+          _load_block(part_desc, part_bars, c_smem, pid, r + 1, h, ROUNDS, BLOCK_M, W, SHARED)
+      accs = summed
+    acc = eng.join_columns(accs)
+  for r in range(ROUNDS if MODE < 3 or MODE == 4 else 0):
     if MODE != 2:
       if SHARED:
         row = r * BLOCK_M
@@ -99,6 +129,18 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
   gl.store(clocks_ptr + pid * 2, (g1 - g0).to(gl.int64))
   gl.store(clocks_ptr + pid * 2 + 1, (t1 - t0).to(gl.int64))
   gl.store(sums_ptr + pid, gl.sum(gl.sum(acc, axis=1), axis=0))  # keeps the reads live
+
+
+@gluon.jit
+def _load_block(desc, bars, c_smem, pid, r, h, ROUNDS: gl.constexpr, BLOCK_M: gl.constexpr,
+                W: gl.constexpr, SHARED: gl.constexpr):
+  """TMA-load column block h of round r's tile into its place in c_smem (barrier h)."""
+  if SHARED:
+    row = r * BLOCK_M
+  else:
+    row = (pid * ROUNDS + r) * BLOCK_M
+  mbarrier.expect(bars.index(h), desc.block_type.nbytes)
+  eng.tma_load(desc, [row, h * W], bars.index(h), c_smem.slice(h * W, W, dim=1))
 
 
 def program(grid: int, rounds: int, mode: str, shared: bool, rows_total: int):
@@ -134,7 +176,7 @@ def main():
   rows = []
   for grid in (132, 16):
     for shared in (False, True):
-      for mode in MODES if not shared else ("full", "tma", "ldg", "nofence"):  # read: no source
+      for mode in MODES if not shared else [m for m in MODES if m != "read"]:  # read: no source
         f, _ = program(grid, args.rounds, mode, shared, rows_total)
         f(parts)
         clocks, sums = jax.block_until_ready(f(parts))

@@ -175,7 +175,7 @@ def test_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op, eng
   assert "wgmma.mma_async" in ptx and "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-def _gluon_program(kind, m, k, n, dtype=jnp.bfloat16, **launch):
+def _gluon_program(kind, m, k, n, dtype=jnp.bfloat16, world=2, **launch):
   """(jitted function, argument specs) of one Gluon launch for the compile checks: kind gemm
   (the engine alone, [m, k] @ [k, n]), ag, rs or rs_wg (the fused kernels, world 2, this GPU's
   operands [m, k] and [k, n]; fp8 dtype: b is [n, k], the output bf16, K tiles of 128), with
@@ -193,7 +193,7 @@ def _gluon_program(kind, m, k, n, dtype=jnp.bfloat16, **launch):
     return (lambda a, b: gluon.launch_gemm(a, b, **common)), specs
   launch_op = gluon.launch_ag_gemm if kind == "ag" else gluon.launch_gemm_rs
   extra = dict(return_gathered=False) if kind == "ag" else {}
-  f = lambda a, b, row, rank: launch_op(a, b, row, rank, world=2, timeout_s=1.0, **extra,
+  f = lambda a, b, row, rank: launch_op(a, b, row, rank, world=world, timeout_s=1.0, **extra,
                                         **common)
   return f, specs + [jax.ShapeDtypeStruct((6,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32)]
 
@@ -345,6 +345,19 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("kind", ["rs", "rs_wg"])
+def test_gluon_gemm_rs_does_not_spill_in_a_group_of_8(monkeypatch, tmp_path, kind, dtype):
+  """GEMM+RS at world 8: its own tiles' sum is unrolled over the 7 peers, in column blocks
+  (gluon_gemm_rs.SUM_PARTS) with the accumulator split likewise; no spills, in both
+  partitionings (LLVM under triton 3.6 once sank a block's adds past later rounds, keeping
+  their loaded values live: gluon_engine.add_partial)."""
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump",
+                      *_gluon_program(kind, 8192, 1792, 4096, dtype=jnp.dtype(dtype), world=8))
+  assert ptx.count("cp.async.bulk.tensor") > 0
+  _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_tl_kernels_do_not_spill(monkeypatch, tmp_path, op, dtype):
   """The tl kernels with the default config (128x256 tiles, 8 warps), 16-bit and fp8 operands:
@@ -467,7 +480,7 @@ def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op,
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg", "nofence"])
+@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg", "nofence", "halves", "quarters"])
 def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   """bench/own_round.py (the GEMM+RS own-tile round in isolation, run on the GPU machine):
   its kernel builds in each mode, TMA-loads where it should, and does not spill."""

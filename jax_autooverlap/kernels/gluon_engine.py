@@ -307,11 +307,95 @@ def free_epilogue_buffer():
 
 @gluon.jit
 def load_epilogue_source(source):
-  """TMA-load source = (desc, row, col, c_smem, bar) into the epilogue buffer c_smem."""
-  desc, row, col, c_smem, bar = source
+  """TMA-load source = (desc, row, col, c_smem, bars) into the epilogue buffer c_smem, in column
+  blocks of desc's box width: block h (columns [h W, h W + W)) completes on bars.index(h)."""
+  desc, row, col, c_smem, bars = source
   free_epilogue_buffer()
-  mbarrier.expect(bar, desc.block_type.nbytes)
-  tma_load(desc, [row, col], bar, c_smem)
+  for h in gl.static_range(c_smem.shape[1] // desc.block_type.shape[1]):
+    load_epilogue_block(desc, row, col, h, c_smem, bars)
+
+
+@gluon.jit
+def load_epilogue_block(desc, row, col, h, c_smem, bars):
+  """TMA-load column block h of desc[row:, col:] (desc's box) into its columns of c_smem, on
+  bars.index(h).  The caller has freed those columns (free_epilogue_buffer, or a fence and a
+  barrier after the last reads of them)."""
+  W: gl.constexpr = desc.block_type.shape[1]
+  mbarrier.expect(bars.index(h), desc.block_type.nbytes)
+  tma_load(desc, [row, col + h * W], bars.index(h), epilogue_block(c_smem, h, W))
+
+
+@gluon.jit
+def epilogue_block(c_smem, h, W: gl.constexpr):
+  """Columns [h W, h W + W) of the epilogue buffer (the whole buffer where W is its width)."""
+  if W == c_smem.shape[1]:
+    return c_smem
+  else:
+    return c_smem.slice(h * W, W, dim=1)
+
+
+@gluon.jit
+def add_partial(acc, part):
+  """acc + part (f32), as an add the compiler keeps in place: a partial's adds then end before
+  the barrier that frees its buffer, instead of being sunk (with the loaded values kept live
+  across the following rounds) to where acc is next used (LLVM did so under triton 3.6: 264
+  bytes of spills in bench/own_round.py's split modes)."""
+  return gl.inline_asm_elementwise("add.f32 $0, $1, $2;", "=r,r,r", [acc, part.to(gl.float32)],
+                                   dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.constexpr_function
+def _width_scaled(layout, num, den):
+  """An accumulator layout (NVMMADistributedLayout) for num / den times its instr N."""
+  return gl.NVMMADistributedLayout(version=layout.version, warps_per_cta=layout.warps_per_cta,
+                                   instr_shape=[layout.instr_shape[0],
+                                                layout.instr_shape[1] * num // den,
+                                                layout.instr_shape[2]])
+
+
+@gluon.jit
+def _halves(acc):
+  M: gl.constexpr = acc.shape[0]
+  N: gl.constexpr = acc.shape[1]
+  layout: gl.constexpr = _width_scaled(acc.type.layout, 1, 2)
+  lo, hi = acc.reshape([M, 2, N // 2]).permute((0, 2, 1)).split()
+  return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
+
+
+@gluon.jit
+def split_columns(acc, PARTS: gl.constexpr):
+  """acc[M, N] (mma_layout) as a tuple of PARTS (1, 2 or 4) column blocks [M, N / PARTS], each
+  in mma_layout: a thread's registers are only renamed (it holds block h's columns of acc)."""
+  if PARTS == 1:
+    return (acc,)
+  elif PARTS == 2:
+    return _halves(acc)
+  else:
+    gl.static_assert(PARTS == 4, "PARTS: 1, 2 or 4")
+    a, b = _halves(acc)
+    a0, a1 = _halves(a)
+    b0, b1 = _halves(b)
+    return a0, a1, b0, b1
+
+
+@gluon.jit
+def join_columns(parts):
+  """split_columns' inverse: the column blocks side by side, [M, N] in mma_layout."""
+  PARTS: gl.constexpr = len(parts)
+  if PARTS == 1:
+    return parts[0]
+  elif PARTS == 2:
+    return _joined(parts[0], parts[1])
+  else:
+    return _joined(_joined(parts[0], parts[1]), _joined(parts[2], parts[3]))
+
+
+@gluon.jit
+def _joined(lo, hi):
+  M: gl.constexpr = lo.shape[0]
+  N: gl.constexpr = lo.shape[1] * 2
+  both = gl.join(lo, hi).permute((0, 2, 1)).reshape([M, N])
+  return gl.convert_layout(both, _width_scaled(lo.type.layout, 2, 1))
 
 
 @gluon.jit

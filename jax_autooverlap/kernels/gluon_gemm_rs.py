@@ -19,8 +19,9 @@ The consumer warpgroups run the main loop and then, per tile:
   waits on a peer, so two GPUs never wait on each other's held signals.
 - own rows: wait (acquire, bounded) for the chunk from every peer, then sum
   this GPU's partial and the peers' partials (TMA-loaded into the epilogue
-  buffer, one at a time) in a fixed order: own partial first, then the peers
-  in rank order.  The order is fixed per owner, so results are bit-identical
+  buffer in SUM_PARTS column blocks, each on its own barrier: the next peer's
+  block h is loaded once this peer's block h is read) in a fixed order: own
+  partial first, then the peers in rank order.  The order is fixed per owner, so results are bit-identical
   run to run whatever the arrival order (it differs from the `tl` kernel's
   0..world-1 order, which would keep a second fp32 tile live in registers).
   The first peer's partial usually comes early: the producer takes one look
@@ -39,7 +40,7 @@ pushed or summed (gluon_engine.py says how).
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
@@ -57,6 +58,10 @@ PREFETCH = gl.constexpr(1 << 30)
 SIGNALLER_WARPS = gl.constexpr(1)
 SIGNALLER_REGS = gl.constexpr(56)
 WG_REGS = gl.constexpr(224)  # a consumer warpgroup's own partition (WG_PARTS = 2)
+# Own tiles read the peers' partials in SUM_PARTS column blocks, each TMA-loaded on its own
+# barrier, so the next peer's blocks are in flight while this peer's are added (one 64 KB
+# box at a time, a round was its load plus its adds: bench/own_round.py, docs/NOTES.md).
+SUM_PARTS = gl.constexpr(2)
 
 
 @gluon.jit
@@ -157,7 +162,7 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, tiles,
+def _consumer(state, o_desc, c_smem, part_bars, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
@@ -171,7 +176,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   the tile), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
   adds and stores its half, and pushes and releases it; a peer's chunk counter then counts
-  halves).  o_desc, c_smem and part_bar are this partition's.  state: the call's (my_slots,
+  halves).  o_desc, c_smem and part_bars are this partition's.  state: the call's (my_slots,
   my_flags, err_addr, rank, parity) from the kernel's top level (loads in flight: the default
   partition waits for them where it first uses them), or None: loaded here after the first
   main loop (a worker partition's arguments must be ready before any partition starts, which
@@ -212,7 +217,8 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   # descriptors cost the CTA's first epilogue ~0.7 us each (docs/NOTES.md): one per peer,
   # or, where a CTA pushes fewer tiles than there are peers (PUSH_DESC_PER_TILE: small shapes
   # in large groups), one per pushed tile, made at the push.
-  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, BLOCK_N])
+  W: gl.constexpr = BLOCK_N // SUM_PARTS
+  part_desc = eng.make_desc(my_slots, [WORLD * M_OUT, N], [N, 1], [ROWS, W])
   peer_descs = ()
   peer_slots = ()
   peer_flags = ()
@@ -258,17 +264,34 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       pending = 1
     else:
       expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
-      for r in gl.static_range(WORLD):
-        if r != rank:
-          if r != first or prefetched == 0:
-            wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank, r, c,
-                          TIMEOUT_NS, WG_PARTS > 1)
-            eng.load_epilogue_source((part_desc, r * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
-                                      c_smem, part_bar))
-          mbarrier.wait(part_bar, loads & 1)
-          loads += 1
-          acc += c_smem.load(acc.type.layout).to(gl.float32)
-          tl.debug_barrier()  # every warp has read the partial before the buffer is reused
+      row = tm * BLOCK_M + ROW0
+      # The peers' partials in column blocks, each on its own barrier: a block of the next
+      # peer is loaded as soon as every warp has read this peer's, so loads overlap adds.
+      if prefetched == 0:  # else the first peer's blocks were loaded during the main loop
+        wait_at_least(my_flags + first * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
+                      first, c, TIMEOUT_NS, WG_PARTS > 1)
+        eng.load_epilogue_source((part_desc, first * M_OUT + row, tn * BLOCK_N, c_smem,
+                                  part_bars))
+      accs = eng.split_columns(acc, SUM_PARTS)
+      # (a loop, not unrolled: unrolled over 7 peers, ptxas spilled ~200 bytes)
+      for q in range(WORLD - 1):
+        nxt = q + 1 + (rank <= q + 1).to(gl.int32)  # the peers in rank order: first is q = 0's
+        summed = ()
+        for h in gl.static_range(SUM_PARTS):
+          mbarrier.wait(part_bars.index(h), loads & 1)
+          block = eng.epilogue_block(c_smem, h, W).load(accs[h].type.layout)
+          summed = summed + (eng.add_partial(accs[h], block),)
+          fence_async_shared()  # every warp has read the block before the buffer is reused
+          tl.debug_barrier()
+          if q + 1 < WORLD - 1:
+            if h == 0:
+              wait_at_least(my_flags + nxt * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
+                            nxt, c, TIMEOUT_NS, WG_PARTS > 1)
+            eng.load_epilogue_block(part_desc, nxt * M_OUT + row, tn * BLOCK_N, h, c_smem,
+                                    part_bars)
+        accs = summed
+        loads += 1
+      acc = eng.join_columns(accs)
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)
@@ -285,7 +308,7 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
       trace.stamp(trace_ptr, j, t, trace.GOT_TILE, TRACE_HERE)
       acc, it = eng.mma_tile(a_bufs, b_bufs, ready, empty, it, K, BLOCK_K, ROWS, BLOCK_N,
                              (part_desc, first * M_OUT + tm * BLOCK_M + ROW0, tn * BLOCK_N,
-                              c_smem, part_bar), prefetched != 0, ROW0)
+                              c_smem, part_bars), prefetched != 0, ROW0)
       trace.stamp(trace_ptr, j, t, trace.MAIN_DONE, TRACE_HERE)
   if pending != 0:
     hand_off_release(pending_flag, sig_box, sig_ready, sig_free, signals, WARPS)
@@ -293,6 +316,15 @@ def _consumer(state, o_desc, c_smem, part_bar, a_bufs, b_bufs, ready, empty, til
   eng.post(sig_box, sig_ready, sig_free, signals, 0, WARPS)  # the signaller's end
   eng.finish_partition()
   trace.end(trace_ptr, TRACE_HERE)
+
+
+@gluon.jit
+def _alloc_part_bars():
+  """A consumer partition's barriers of the peers' partials' column blocks, one per block."""
+  bars = gl.allocate_shared_memory(gl.int64, [SUM_PARTS, 1], mbarrier.MBarrierLayout())
+  for h in gl.static_range(SUM_PARTS):
+    mbarrier.init(bars.index(h), count=1)
+  return bars
 
 
 @lean_launch
@@ -336,11 +368,10 @@ def gluon_gemm_rs_kernel(
                                                                                   STAGES, WG_PARTS)
   if WG_PARTS == 1:
     c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
-    part_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(part_bar, count=1)
+    part_bars = _alloc_part_bars()
     sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)
     gl.warp_specialize([
-        (_consumer, ((my_slots, my_flags, err_addr, rank, parity), o_desc, c_smem, part_bar,
+        (_consumer, ((my_slots, my_flags, err_addr, rank, parity), o_desc, c_smem, part_bars,
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
                      WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES,
@@ -354,18 +385,17 @@ def gluon_gemm_rs_kernel(
     gl.static_assert(WG_PARTS == 2, "WG_PARTS: 1 or 2")
     c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
     c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
-    part_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for wg in gl.static_range(2):
-      mbarrier.init(part_bar.index(wg), count=1)
+    part_bars0 = _alloc_part_bars()
+    part_bars1 = _alloc_part_bars()
     sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)  # warpgroup 0's releases
     sig1_box, sig1_ready, sig1_free = eng.alloc_ring(gl.int64)  # warpgroup 1's
     gl.warp_specialize([
-        (_consumer, (None, o_desc, c_smem0, part_bar.index(0), a_bufs, b_bufs, ready,
+        (_consumer, (None, o_desc, c_smem0, part_bars0, a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
                      TIMEOUT_NS, OP_ID, TRACE, 0, 2, PUSH_DESC_PER_TILE)),
-        (_consumer, (None, o_desc, c_smem1, part_bar.index(1), a_bufs, b_bufs, ready,
+        (_consumer, (None, o_desc, c_smem1, part_bars1, a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
