@@ -480,16 +480,20 @@ def test_fp8_kernels_compile_for_larger_groups(monkeypatch, tmp_path, world, op,
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx
 
 
-@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg", "nofence", "halves", "quarters"])
+@pytest.mark.parametrize("mode", ["full", "tma", "read", "ldg", "nofence", "halves", "quarters",
+                                  "background"])
 def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   """bench/own_round.py (the GEMM+RS own-tile round in isolation, run on the GPU machine):
-  its kernel builds in each mode, TMA-loads where it should, and does not spill."""
+  its kernel builds in each mode (background: halves beside background loaders), TMA-loads
+  where it should, and does not spill."""
   import importlib.util
   spec = importlib.util.spec_from_file_location(
       "own_round", pathlib.Path(__file__).resolve().parents[1] / "bench" / "own_round.py")
   own_round = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(own_round)
-  f, parts = own_round.program(132, 7, mode, False, 132 * 7 * 128)
+  f, parts = (own_round.program(132, 7, "halves", False, 132 * 7 * 128, summers=16,
+                                bg_pace_ns=950) if mode == "background" else
+               own_round.program(132, 7, mode, False, 132 * 7 * 128))
   ptx = _exported_ptx(monkeypatch, tmp_path / "dump", f, [parts])
   # mode read loads its one tile too, before the clock; mode ldg loads none
   assert ("cp.async.bulk.tensor" in ptx) == (mode != "ldg")
