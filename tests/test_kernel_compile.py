@@ -357,6 +357,18 @@ def test_gluon_gemm_rs_does_not_spill_in_a_group_of_8(monkeypatch, tmp_path, kin
   _assert_no_spills(ptx, tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["rs", "rs_wg"])
+def test_gluon_gemm_rs_in_a_group_of_1_reads_no_partial(monkeypatch, tmp_path, kind):
+  """A group of 1 (an axis of size 1 with impl="triton") has no peers: neither the producer's
+  look nor the own tiles' wait reads an arrival counter (their acquire loads are the only
+  ones in the kernel; de0a68e's build had three at world 1: it waited for a first peer that
+  does not exist), and no partial is loaded (its only shared-memory reads are ldmatrix)."""
+  ptx = _exported_ptx(monkeypatch, tmp_path / "dump",
+                      *_gluon_program(kind, 2048, 1024, 768, world=1))
+  assert "ld.global.acquire" not in ptx and "ldmatrix" not in ptx
+  _assert_no_spills(ptx, tmp_path)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_tl_kernels_do_not_spill(monkeypatch, tmp_path, op, dtype):

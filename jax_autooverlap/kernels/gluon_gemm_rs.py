@@ -21,9 +21,10 @@ The consumer warpgroups run the main loop and then, per tile:
   this GPU's partial and the peers' partials (TMA-loaded into the epilogue
   buffer in SUM_PARTS column blocks, each on its own barrier: the next peer's
   block h is loaded once this peer's block h is read) in a fixed order: own
-  partial first, then the peers in rank order.  The order is fixed per owner, so results are bit-identical
-  run to run whatever the arrival order (it differs from the `tl` kernel's
-  0..world-1 order, which would keep a second fp32 tile live in registers).
+  partial first, then the peers in rank order.  The order is fixed per owner,
+  so results are bit-identical run to run whatever the arrival order (it
+  differs from the `tl` kernel's 0..world-1 order, which would keep a second
+  fp32 tile live in registers).
   The first peer's partial usually comes early: the producer takes one look
   (acquire, system scope) at its arrival counter before publishing an own
   tile and, where it has arrived, prefetches it into L2 and tags the tile
@@ -135,7 +136,7 @@ def _first_partial_arrived(t, rank, my_flags, my_slots, M_OUT: gl.constexpr, N: 
   expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS  # releases
   first = (rank == 0).to(gl.int32)
   look = 0
-  if (rank + 1 + step) % WORLD == rank:
+  if WORLD > 1 and (rank + 1 + step) % WORLD == rank:
     if all_see_at_least(my_flags + first * MAX_CHUNKS + c, expected, eng.PRODUCER_WARPS):
       look = 1
       prefetch_l2(my_slots + (first * M_OUT + tm * BLOCK_M).to(gl.int64) * N + tn * BLOCK_N,
@@ -263,35 +264,36 @@ def _consumer(state, o_desc, c_smem, part_bars, a_bufs, b_bufs, ready, empty, ti
           pending_flag = peer_flags[i] + c
       pending = 1
     else:
-      expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
-      row = tm * BLOCK_M + ROW0
-      # The peers' partials in column blocks, each on its own barrier: a block of the next
-      # peer is loaded as soon as every warp has read this peer's, so loads overlap adds.
-      if prefetched == 0:  # else the first peer's blocks were loaded during the main loop
-        wait_at_least(my_flags + first * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
-                      first, c, TIMEOUT_NS, WG_PARTS > 1)
-        eng.load_epilogue_source((part_desc, first * M_OUT + row, tn * BLOCK_N, c_smem,
-                                  part_bars))
-      accs = eng.split_columns(acc, SUM_PARTS)
-      # (a loop, not unrolled: unrolled over 7 peers, ptxas spilled ~200 bytes)
-      for q in range(WORLD - 1):
-        nxt = q + 1 + (rank <= q + 1).to(gl.int32)  # the peers in rank order: first is q = 0's
-        summed = ()
-        for h in gl.static_range(SUM_PARTS):
-          mbarrier.wait(part_bars.index(h), loads & 1)
-          block = eng.epilogue_block(c_smem, h, W).load(accs[h].type.layout)
-          summed = summed + (eng.add_partial(accs[h], block),)
-          fence_async_shared()  # every warp has read the block before the buffer is reused
-          tl.debug_barrier()
-          if q + 1 < WORLD - 1:
-            if h == 0:
-              wait_at_least(my_flags + nxt * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
-                            nxt, c, TIMEOUT_NS, WG_PARTS > 1)
-            eng.load_epilogue_block(part_desc, nxt * M_OUT + row, tn * BLOCK_N, h, c_smem,
-                                    part_bars)
-        accs = summed
-        loads += 1
-      acc = eng.join_columns(accs)
+      if WORLD > 1:  # (a group of 1 runs when asked for explicitly: no peers)
+        expected = gl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN * WG_PARTS
+        row = tm * BLOCK_M + ROW0
+        # The peers' partials in column blocks, each on its own barrier: a block of the next
+        # peer is loaded as soon as every warp has read this peer's, so loads overlap adds.
+        if prefetched == 0:  # else the first peer's blocks were loaded during the main loop
+          wait_at_least(my_flags + first * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
+                        first, c, TIMEOUT_NS, WG_PARTS > 1)
+          eng.load_epilogue_source((part_desc, first * M_OUT + row, tn * BLOCK_N, c_smem,
+                                    part_bars))
+        accs = eng.split_columns(acc, SUM_PARTS)
+        # (a loop, not unrolled: unrolled over 7 peers, ptxas spilled ~200 bytes)
+        for q in range(WORLD - 1):
+          nxt = q + 1 + (rank <= q + 1).to(gl.int32)  # the peers in rank order: first is q = 0's
+          summed = ()
+          for h in gl.static_range(SUM_PARTS):
+            mbarrier.wait(part_bars.index(h), loads & 1)
+            block = eng.epilogue_block(c_smem, h, W).load(accs[h].type.layout)
+            summed = summed + (eng.add_partial(accs[h], block),)
+            fence_async_shared()  # every warp has read the block before the buffer is reused
+            tl.debug_barrier()
+            if q + 1 < WORLD - 1:
+              if h == 0:
+                wait_at_least(my_flags + nxt * MAX_CHUNKS + c, expected, err_addr, OP_ID, rank,
+                              nxt, c, TIMEOUT_NS, WG_PARTS > 1)
+              eng.load_epilogue_block(part_desc, nxt * M_OUT + row, tn * BLOCK_N, h, c_smem,
+                                      part_bars)
+          accs = summed
+          loads += 1
+        acc = eng.join_columns(accs)
       eng.stage_out(acc.to(out_dtype), c_smem)
       eng.tma_store(o_desc, [tm * BLOCK_M + ROW0, tn * BLOCK_N], c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE_HERE)
