@@ -62,6 +62,7 @@ WG_REGS = gl.constexpr(224)  # a consumer warpgroup's own partition (WG_PARTS = 
 # Own tiles read the peers' partials in SUM_PARTS column blocks, each TMA-loaded on its own
 # barrier, so the next peer's blocks are in flight while this peer's are added (one 64 KB
 # box at a time, a round was its load plus its adds: bench/own_round.py, docs/NOTES.md).
+# 4 blocks measured no better than 2 (more barrier waits and fences per round).
 SUM_PARTS = gl.constexpr(2)
 
 
