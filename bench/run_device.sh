@@ -25,8 +25,9 @@
 #   two-process           tests/gpu_two_process.py with HARNESS_ARGS (split like BENCH_ARGS; e.g.
 #                         "--scenario nested_step --packed --world 8,4,2"; AO_STEP_DIMS passed on),
 #                         bounded by HARNESS_TIMEOUT (default 330)
-#   any/path.py           a Python script run in the same environment (experiments)
-# TEST_ARGS and BENCH_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
+#   any/path.py           a Python script run in the same environment (experiments; SCRIPT_ARGS
+#                         passed on, e.g. SCRIPT_ARGS=--background-only for bench/own_round.py)
+# TEST_ARGS, BENCH_ARGS and SCRIPT_ARGS are split as a shell would split them: TEST_ARGS="-k 'a or b'" works.
 # Logs and JSON go to $OUT (returned as $OUT/all.tgz); each step is bounded by `timeout`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,6 +45,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 eval "test_args=(${TEST_ARGS:-})" && eval "bench_args=(${BENCH_ARGS:-})" || exit 2
 eval "shapes_args=(${SHAPES_ARGS:-})" || exit 2
 eval "harness_args=(${HARNESS_ARGS:-})" || exit 2
+eval "script_args=(${SCRIPT_ARGS:-})" || exit 2
 rc=0
 for step in "$@"; do
   echo "=== $step ($(date -u +%T))"
@@ -97,7 +99,8 @@ for step in "$@"; do
       timeout ${HARNESS_TIMEOUT:-330} python3 tests/gpu_two_process.py "${harness_args[@]}" \
         --log "$OUT/two-process.log" 2>&1 | tee "$OUT/two-process.stdout" | tail -40 ;;
     *.py)
-      timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).log" ;;
+      timeout ${SCRIPT_TIMEOUT:-300} python3 "$step" "${script_args[@]}" 2>&1 \
+        | tee "$OUT/$(basename "$step" .py).log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   s=${PIPESTATUS[0]}; [[ $s != 0 ]] && { echo "=== $step failed: rc $s"; rc=$s; }
