@@ -91,10 +91,7 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
       cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
       offs = rows[:, None] * N + cols[None, :]
       for r in gl.static_range(ROUNDS):
-        if SHARED:
-          row = r * BLOCK_M
-        else:
-          row = (pid * ROUNDS + r) * BLOCK_M
+        row = _tile_row(pid, r, ROUNDS, BLOCK_M, SHARED)
         acc += gl.load(parts_ptr + row.to(gl.int64) * N + offs, cache_modifier=".cg").to(
             gl.float32)
       tl.debug_barrier()
@@ -103,25 +100,24 @@ def own_round_kernel(parts_ptr, clocks_ptr, sums_ptr, scratch_ptr, ROWS_TOTAL: g
       # warps add the other blocks, it is in flight
       accs = eng.split_columns(acc, PARTS)
       for h in gl.static_range(PARTS):
-        _load_block(part_desc, part_bars, c_smem, pid, 0, h, ROUNDS, BLOCK_M, W, SHARED)
+        eng.load_epilogue_block(part_desc, _tile_row(pid, 0, ROUNDS, BLOCK_M, SHARED), 0, h,
+                                c_smem, part_bars)
       for r in range(ROUNDS):
         summed = ()
         for h in gl.static_range(PARTS):
           mbarrier.wait(part_bars.index(h), r & 1)
-          block = c_smem.slice(h * W, W, dim=1).load(accs[h].type.layout)
+          block = eng.epilogue_block(c_smem, h, W).load(accs[h].type.layout)
           summed = summed + (eng.add_partial(accs[h], block),)
           fence_async_shared()
           tl.debug_barrier()
           if r + 1 < ROUNDS:
-            _load_block(part_desc, part_bars, c_smem, pid, r + 1, h, ROUNDS, BLOCK_M, W, SHARED)
+            eng.load_epilogue_block(part_desc, _tile_row(pid, r + 1, ROUNDS, BLOCK_M, SHARED),
+                                    0, h, c_smem, part_bars)
         accs = summed
       acc = eng.join_columns(accs)
     for r in range(ROUNDS if MODE < 3 or MODE == 4 else 0):
       if MODE != 2:
-        if SHARED:
-          row = r * BLOCK_M
-        else:
-          row = (pid * ROUNDS + r) * BLOCK_M
+        row = _tile_row(pid, r, ROUNDS, BLOCK_M, SHARED)
         if MODE == 4:
           tl.debug_barrier()
         else:
@@ -165,15 +161,12 @@ def _background(desc, c_smem, bar, pid, clocks_ptr, ROWS_TOTAL: gl.constexpr,
 
 
 @gluon.jit
-def _load_block(desc, bars, c_smem, pid, r, h, ROUNDS: gl.constexpr, BLOCK_M: gl.constexpr,
-                W: gl.constexpr, SHARED: gl.constexpr):
-  """TMA-load column block h of round r's tile into its place in c_smem (barrier h)."""
+def _tile_row(pid, r, ROUNDS: gl.constexpr, BLOCK_M: gl.constexpr, SHARED: gl.constexpr):
+  """First row of the tile a CTA adds in round r: its own (DRAM), or round r's for all (L2)."""
   if SHARED:
-    row = r * BLOCK_M
+    return r * BLOCK_M
   else:
-    row = (pid * ROUNDS + r) * BLOCK_M
-  mbarrier.expect(bars.index(h), desc.block_type.nbytes)
-  eng.tma_load(desc, [row, h * W], bars.index(h), c_smem.slice(h * W, W, dim=1))
+    return (pid * ROUNDS + r) * BLOCK_M
 
 
 def program(grid: int, rounds: int, mode: str, shared: bool, rows_total: int,
