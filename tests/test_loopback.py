@@ -476,6 +476,15 @@ def test_explicit_variants_replace_fields_of_each_engines_config(capsys):
   assert list(again) == list(base)
   assert cli.parse_variants(["gluon:wg_partitions=1,block_m=128"]) == (
       ("gluon", {"wg_partitions": True, "block_m": 128}),)
+  # warpgroup partitions exist for GEMM+RS only: an AG entry skips the variant, saying so (a
+  # shape list of both ops with one --variant ran each AG entry into a ValueError)
+  ag = fixture.Case("ag", 8192, 4096, 6144, world=8)
+  plain = cli.fused_variants(ag, "NVIDIA H200", ["gluon"], 132)
+  wg = cli.fused_variants(ag, "NVIDIA H200", ["gluon"], 132,
+                          extra=cli.parse_variants(["gluon:wg_partitions=1"]))
+  assert wg == plain
+  assert "wg_partitions (a consumer partition per warpgroup) exists for GEMM+RS only" in (
+      capsys.readouterr().err)
   for bad in ("tl", "tl:", "cuda:split_k=2", "tl:split_k", "tl:split_k=-1", "tl:bogus=1",
               "tl:pack_shards=2", "tl:pack_shards=01", "tl:engine=1"):
     with pytest.raises(ValueError, match="--variant"):

@@ -131,6 +131,8 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
       return f"K={k} must be a multiple of the fp8 K tile {cfg.block_k}"
     if cfg.block_k * dt.itemsize < 32:
       return f"fp8 wgmma needs K tiles of at least 32 (block_k={cfg.block_k})"
+  if cfg.wg_partitions and op != "rs":
+    return "wg_partitions (a consumer partition per warpgroup) exists for GEMM+RS only"
   why = packed_unsupported(cfg, m_shard, n, op)
   if why:
     return why
