@@ -344,6 +344,17 @@ def test_gluon_kernels_neither_spill_nor_serialize_their_wgmma(monkeypatch, tmp_
   _assert_no_spills(ptx, tmp_path)
 
 
+def test_gluon_ag_mover_boxes_are_8_kb_in_every_dtype():
+  """The Gluon AG mover keeps two staging boxes in flight, so its push rate is set by the box's
+  bytes: 64 rows of 128 bytes in 16-bit and fp8 dtypes alike (fp8's 4 KB boxes pushed at half
+  the rate while its GEMM runs twice as fast; docs/NOTES.md, fourteenth round)."""
+  from triton.experimental.gluon import language as gl
+  from jax_autooverlap.kernels import gluon_ag_gemm
+  for dtype in (gl.bfloat16, gl.float16, gl.float8e4nv, gl.float8e5):
+    assert gluon_ag_gemm.BOX * gluon_ag_gemm.box_cols(dtype) * dtype.primitive_bitwidth // 8 == (
+        8192)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("kind", ["rs", "rs_wg"])
 def test_gluon_gemm_rs_does_not_spill_in_a_group_of_8(monkeypatch, tmp_path, kind, dtype):

@@ -44,13 +44,22 @@ from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, tab
 
 MOVER_WARPS = gl.constexpr(1)
 MOVER_REGS = gl.constexpr(56)
-BOX = gl.constexpr(64)  # staging box: BOX rows x BOX columns (8 KB in 16-bit dtypes), two of them
+BOX = gl.constexpr(64)  # staging box rows; its columns: box_cols (8 KB a box), two boxes
+
+
+@gluon.constexpr_function
+def box_cols(dtype):
+  """Columns of a mover's staging box: 128 bytes a row, so a box is 8 KB in every dtype (64
+  columns of a 16-bit dtype, 128 of fp8).  Each mover keeps two boxes in flight, so the push
+  rate per mover grows with the box: 64-column fp8 boxes (4 KB) pushed at half bf16's rate per
+  mover, and the fp8 GEMM is twice as fast (the push outlasted it: docs/NOTES.md)."""
+  return 1024 // dtype.primitive_bitwidth
 
 
 @gluon.jit
 def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, k0, k1, bufs, bars, n):
   """Mover: dst[dst_i, row0:row0+ROWS, k0:k1] = src[src_i, row0:row0+ROWS, k0:k1] (3-D descriptors
-  [shards, rows, K] with [1, BOX, BOX] boxes: rows past a shard's end are zero-filled on load
+  [shards, rows, K] with [1, BOX, box_cols] boxes: rows past a shard's end are zero-filled on load
   and clipped on store), box after box through the two staging buffers.  n counts the boxes
   this mover has copied: buffer n % 2, phase (n // 2) & 1.  Before a buffer is loaded again
   the TMA store that last read it has finished reading (store_wait(1): only the newest store
@@ -103,7 +112,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
         peer_bufs = peer_bufs + (bufs,)
       else:
         peer_descs = peer_descs + (eng.make_desc(bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
-                                                 [1, BOX, BOX]),)
+                                                 [1, BOX, box_cols(dtype)]),)
       peer_flags = peer_flags + ((ws_p + FLAGS_OFF).to(gl.pointer_type(gl.int32))
                                  + (parity * WORLD + rank) * MAX_CHUNKS,)
     # Push: unit u = (chunk, peer step, row tile, column slice of KS) in chunk-major order
@@ -123,7 +132,7 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
               # rewritten only once the stores that used it are written: the previous unit's
               # signal_after_tma_stores waited for them
               desc = eng.make_desc(peer_bufs[i], [WORLD, M_SHARD, K], [SHARD, K, 1],
-                                   [1, BOX, BOX])
+                                   [1, BOX, box_cols(dtype)])
             else:
               desc = peer_descs[i]
             n = copy_boxes(local_desc3, 0, desc, rank, tm * BLOCK_M, BLOCK_M, ks * KS,
@@ -131,7 +140,8 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
             signal_after_tma_stores(peer_flags[i] + tm // TILES_PER_CHUNK)
     if RETURN_GATHERED:
       # this GPU's gather buffers of this call's parity as [src, row, col]
-      bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+      bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                 [1, BOX, box_cols(dtype)])
       for u in range(pid, WORLD * TM, NUM_COMM):
         src = (rank + WORLD - u // TM) % WORLD
         tm = u % TM
@@ -256,15 +266,16 @@ def gluon_ag_gemm_kernel(
   local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
   o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
   # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
-  local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+  local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, box_cols(dtype)])
   if RETURN_GATHERED:
-    gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1], [1, BOX, BOX])
+    gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                              [1, BOX, box_cols(dtype)])
   else:  # `gathered` is a placeholder: no descriptor over it (never used)
     gath_desc = local_desc3
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
                                                                                   STAGES)
   c_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, BLOCK_N], o_desc.layout)
-  mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, BOX], local_desc3.layout)
+  mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, box_cols(dtype)], local_desc3.layout)
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
