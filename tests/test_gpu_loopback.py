@@ -285,7 +285,8 @@ def test_loopback_benchmark_in_a_group_of_8_writes_its_world(tmp_path):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   """--trace builds (kernels/gluon_trace.py) only add clock stamps: the same output bit for bit
-  as the plain build, and a timeline row for every tile."""
+  as the plain build, a timeline row for every tile, and every CTA's FRAME: the kernel's first
+  statement before its consumers start, its last after they end."""
   from jax_autooverlap.bench import timeline
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.runtime.errors import check_errors
@@ -300,6 +301,9 @@ def test_traced_gluon_kernel_computes_what_the_plain_one_does(op):
   rows, cols = case.m // 2, (case.n // 2 if op == "ag" else case.n)
   tiles = 2 * -(-rows // cfg.block_m) * -(-cols // cfg.block_n)
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(tiles))
+  frames = timeline.frames(np.asarray(trace))
+  assert len(frames) == len(trace) and all(f["entry"] < f["start"] < f["end"] < f["exit"]
+                                    for f in frames), frames[:2]
 
 
 def test_traced_tl_ag_computes_what_the_plain_one_does():

@@ -298,9 +298,11 @@ def test_interleaved_timing_falls_back_to_wall_clock_without_device_events():
 def test_tl_and_gluon_timelines_share_one_layout():
   """bench/timeline.py reads both kernels' traces, and launch.trace_out_type sizes both."""
   from jax_autooverlap.kernels import gluon_trace, tl_trace
-  names = ("SLOTS", "FIELDS", "GOT_TILE", "MAIN_DONE", "EPILOGUE_DONE")
+  names = ("SLOTS", "FIELDS", "GOT_TILE", "MAIN_DONE", "EPILOGUE_DONE", "TILE_SLOTS")
   assert ([getattr(tl_trace, n).value for n in names]
-          == [getattr(gluon_trace, n).value for n in names] == [256, 4, 1, 2, 3])
+          == [getattr(gluon_trace, n).value for n in names] == [256, 4, 1, 2, 3, 255])
+  # tiles take rows 1 .. SLOTS - 1, the last row is the Gluon kernels' FRAME (timeline.frames)
+  assert gluon_trace.FRAME.value == gluon_trace.SLOTS.value == gluon_trace.TILE_SLOTS.value + 1
 
 
 def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
@@ -329,6 +331,16 @@ def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
   assert s["last_cta"] == {"tiles": 2, "first_tile_at_us": 1.0, "main_us_sum": 20.0,
                            "epilogue_us_sum": 2.0, "gap_us_sum": 1.0, "end_at_us": 24.0}
   assert timeline.summarize(np.zeros((2, 5, 4), np.int64)) == {"ctas": 0}
+  assert "kernel_span_us" not in s  # no FRAME stamps (the tl kernels, older traces)
+  # the FRAME row (last): the clock at the kernel's first and last statement
+  trace[0, -1, :2] = (0 + 1_000 - 2_000, 61_000 + 3_000)  # 1 µs before its consumers, 1.5 µs after
+  trace[1, -1, :2] = (5_000 - 1_000, 63_000 + 1_000)      # 0.5 µs before, 0.5 µs after
+  s = timeline.summarize(trace)
+  assert s["entry_to_consumers_us"] == [0.5, 0.75, 1.0]
+  assert s["consumers_to_exit_us"] == [0.5, 1.0, 1.5]
+  # CTA 0 enters at -1 µs, the first; both CTAs' consumers end at 30 µs; CTA 0 exits at 31.5 µs
+  assert s["kernel_span_us"] == 32.5
+  assert [(r["cta"], r["tile"]) for r in timeline.tiles(trace)] == [(0, 0), (0, 2), (1, 1)]
 
 
 def test_engine_benchmark_table_and_config_names(capsys):

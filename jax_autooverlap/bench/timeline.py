@@ -2,20 +2,25 @@
 
 A trace is int64 [ctas, 1 + SLOTS, 4] as the kernels write it.  `tiles` turns it into one
 record per tile in ns on a common time base (each CTA's %clock64 scaled by the clock rate
-seen between its two %globaltimer reads, anchored at the first); `summarize` into what the
-loopback benchmark prints: per tile the main loop, the epilogue and the gap before the next
-tile (the consumers waiting for its number or its first stage), per CTA the lead (start to
-first tile) and its end, and for the CTA that ends last (which sets the kernel's time) where
-its time went.
+seen between its two %globaltimer reads, anchored at the first); `frames` into one record per
+CTA of when its consumers started and ended and, where the kernel stamps them (the Gluon
+kernels' FRAME row), when the kernel's first and last statements ran; `summarize` into what
+the loopback benchmark prints: per tile the main loop, the epilogue and the gap before the
+next tile (the consumers waiting for its number or its first stage), per CTA the lead (start
+to first tile) and its end, for the CTA that ends last (which sets the kernel's time) where
+its time went, and the time before and after the consumers (set-up, the partitions' join,
+finish_call).
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-def tiles(trace: np.ndarray) -> list[dict]:
-  """[{cta, j, tile, got, main_done, epilogue_done, start, end, ghz}] of every recorded tile: ns
-  from the first CTA's start; ghz: its CTA's SM clock over the kernel (cycles per ns)."""
+def frames(trace: np.ndarray) -> list[dict]:
+  """[{cta, start, end, entry, exit, ghz, ns}] of every CTA that finished recording: its
+  consumers' start and end and (None where not stamped) the kernel's first and last statement,
+  in ns from the first CTA's start; ghz: its SM clock over the kernel (cycles per ns); ns: its
+  %clock64 -> ns on that base."""
   trace = np.asarray(trace, np.int64)
   started = trace[:, 0, 0][trace[:, 0, 0] > 0]
   base = int(started.min()) if started.size else 0  # %globaltimer (~1.8e18 ns) is too large for
@@ -25,13 +30,27 @@ def tiles(trace: np.ndarray) -> list[dict]:
     if gt1 <= gt0 or clk1 <= clk0:  # the CTA did not finish recording: skip it
       continue
     rate = (clk1 - clk0) / (gt1 - gt0)  # cycles per ns
-    gt0 -= base
-    ns = lambda clk: gt0 + (int(clk) - clk0) / rate
-    for j, (t, got, main, epi) in enumerate(rows[1:]):
+    ns = lambda clk, gt0=gt0 - base, clk0=clk0, rate=rate: gt0 + (int(clk) - clk0) / rate
+    entry, exit_ = (int(x) for x in rows[-1][:2])  # the FRAME row (zeros: not stamped)
+    out.append({"cta": cta, "start": gt0 - base, "end": ns(clk1), "ghz": rate, "ns": ns,
+                "entry": ns(entry) if entry else None, "exit": ns(exit_) if exit_ else None})
+  return out
+
+
+def tiles(trace: np.ndarray) -> list[dict]:
+  """[{cta, j, tile, got, main_done, epilogue_done, start, end, ghz}] of every recorded tile: ns
+  from the first CTA's start; ghz: its CTA's SM clock over the kernel (cycles per ns).  Rows 1
+  to the last but one (the last is the FRAME row: frames)."""
+  trace = np.asarray(trace, np.int64)
+  out = []
+  for f in frames(trace):
+    for j, (t, got, main, epi) in enumerate(trace[f["cta"], 1:-1]):
       if got == 0:
         break
-      out.append({"cta": cta, "j": j, "tile": int(t), "start": gt0, "end": ns(clk1), "ghz": rate,
-                  "got": ns(got), "main_done": ns(main), "epilogue_done": ns(epi)})
+      ns = f["ns"]
+      out.append({"cta": f["cta"], "j": j, "tile": int(t), "start": f["start"], "end": f["end"],
+                  "ghz": f["ghz"], "got": ns(got), "main_done": ns(main),
+                  "epilogue_done": ns(epi)})
   return out
 
 
@@ -71,4 +90,10 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
       "epilogue_us_sum": us(sum(r["epilogue_done"] - r["main_done"] for r in last)),
       "gap_us_sum": us(sum(b["got"] - a["epilogue_done"] for a, b in zip(last, last[1:]))),
       "end_at_us": us(last[-1]["epilogue_done"] - t0)}
+  stamped = [f for f in frames(trace) if f["entry"] is not None and f["exit"] is not None]
+  if stamped:  # before and after the consumers: set-up; the partitions' join and finish_call
+    spread = lambda xs: [us(min(xs)), us(np.median(xs)), us(max(xs))]
+    out["entry_to_consumers_us"] = spread([f["start"] - f["entry"] for f in stamped])
+    out["consumers_to_exit_us"] = spread([f["exit"] - f["end"] for f in stamped])
+    out["kernel_span_us"] = us(max(f["exit"] for f in stamped) - min(f["entry"] for f in stamped))
   return out

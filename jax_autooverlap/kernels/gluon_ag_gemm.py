@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 from jax_autooverlap.kernels.gluon_sync import call_state, finish_call, signal_after_tma_stores
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, table_address,
@@ -247,6 +248,7 @@ def gluon_ag_gemm_kernel(
     TIMEOUT_NS: gl.constexpr, OP_ID: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr,
     PUSH_DESC_PER_UNIT: gl.constexpr,
 ):
+  trace.kernel_entry(trace_ptr, TRACE)
   dtype: gl.constexpr = a_ptr.dtype.element_ty
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
   # and finish_call use these here: loads in flight, not waited for before the partitions.
@@ -296,3 +298,4 @@ def gluon_ag_gemm_kernel(
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.consumer_warps(BLOCK_M))
+  trace.kernel_exit(trace_ptr, TRACE)

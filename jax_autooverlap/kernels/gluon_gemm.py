@@ -11,6 +11,7 @@ from triton.experimental.gluon import language as gl
 
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import gluon_engine as eng
+from jax_autooverlap.kernels import gluon_trace as trace
 from jax_autooverlap.kernels.gemm_rs import tile_of
 
 
@@ -37,6 +38,7 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
+  trace.kernel_entry(trace_ptr, TRACE)
   a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
   if eng.b_kmajor(a_ptr.dtype.element_ty):
     b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
@@ -53,3 +55,4 @@ def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
+  trace.kernel_exit(trace_ptr, TRACE)

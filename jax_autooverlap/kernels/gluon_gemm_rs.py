@@ -348,6 +348,7 @@ def gluon_gemm_rs_kernel(
   (BLOCK_M = 128 only: a partition per warpgroup, KernelConfig.wg_partitions; launched with 4
   warps, its default partition being warpgroup 0).  PUSH_DESC_PER_TILE: a push descriptor
   per pushed tile instead of one per peer and CTA (backends/gluon.py chooses)."""
+  trace.kernel_entry(trace_ptr, TRACE)
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   # For the consumers (the default partition: first used after their first main loop) and
   # finish_call: loads in flight, not waited for before the partitions start.
@@ -412,3 +413,4 @@ def gluon_gemm_rs_kernel(
 
   finish_call(header, my_flags, header + 2 + parity, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK,
               eng.consumer_warps(ROWS))
+  trace.kernel_exit(trace_ptr, TRACE)

@@ -19,6 +19,7 @@ FIELDS = tl.constexpr(4)
 GOT_TILE = tl.constexpr(1)
 MAIN_DONE = tl.constexpr(2)
 EPILOGUE_DONE = tl.constexpr(3)
+TILE_SLOTS = tl.constexpr(255)  # the last row is gluon_trace.py's FRAME (zeros here)
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def start(trace_ptr, TRACE: tl.constexpr):
 def stamp(trace_ptr, j, u, field: tl.constexpr, TRACE: tl.constexpr):
   """The clock at event `field` of the CTA's j-th work unit u."""
   if TRACE:
-    if j < SLOTS:
+    if j < TILE_SLOTS:
       row = trace_ptr + (tl.program_id(0) * (1 + SLOTS) + 1 + j) * FIELDS
       if field == GOT_TILE:
         tl.store(row, u.to(tl.int64))
