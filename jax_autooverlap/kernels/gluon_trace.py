@@ -21,8 +21,8 @@ FIELDS = gl.constexpr(4)
 GOT_TILE = gl.constexpr(1)
 MAIN_DONE = gl.constexpr(2)
 EPILOGUE_DONE = gl.constexpr(3)
-TILE_SLOTS = gl.constexpr(255)  # SLOTS - 1: rows 1 .. SLOTS - 1; row SLOTS is FRAME
-FRAME = gl.constexpr(256)
+TILE_SLOTS = gl.constexpr(SLOTS.value - 1)  # tiles in rows 1 .. SLOTS - 1
+FRAME = SLOTS  # the last row: the kernel's entry and exit clocks
 
 
 @gluon.jit

@@ -19,7 +19,7 @@ FIELDS = tl.constexpr(4)
 GOT_TILE = tl.constexpr(1)
 MAIN_DONE = tl.constexpr(2)
 EPILOGUE_DONE = tl.constexpr(3)
-TILE_SLOTS = tl.constexpr(255)  # the last row is gluon_trace.py's FRAME (zeros here)
+TILE_SLOTS = tl.constexpr(SLOTS.value - 1)  # the last row is gluon_trace.py's FRAME (zeros here)
 
 
 @triton.jit
