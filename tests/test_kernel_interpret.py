@@ -111,6 +111,8 @@ def test_small_shards_are_copied_in_column_parts_over_the_movers():
   assert parts(32, 4096, 64, 2, 8, False) == (8, 1)     # one unit, 8 blocks of 32 x 512
   assert parts(4096, 8192, 128, 8, 32, False) == (1, 1)  # 224 units: whole
   assert parts(1, 64, 128, 2, 16, True) == (1, 1)       # one block
+  # a group of 1 (tests/test_gpu_capture.py's mesh) pushes nothing: no division by its 0 units
+  assert parts(1024, 1024, 128, 1, 8, False) == (8, 1)  # (its parts are never pushed)
 
 
 def test_split_k_beyond_its_counters_is_refused():

@@ -69,7 +69,7 @@ def copy_block(m_shard: int, k: int, block_m: int, world: int = 2, num_comm: int
   while k % cols:
     cols //= 2
   blocks = k // cols
-  units = (world - 1) * math.ceil(m_shard / block_m)
+  units = max(1, (world - 1) * math.ceil(m_shard / block_m))  # a group of 1 pushes nothing
   push = max(d for d in range(1, blocks + 1)
              if blocks % d == 0 and d <= max(1, math.ceil(num_comm / units)))
   return dict(COPY_ROWS=rows, COPY_COLS=cols, PUSH_PARTS=push,
