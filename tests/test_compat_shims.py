@@ -149,8 +149,10 @@ def test_gluon_kernel_takes_gluon_front_end_and_launches_all_its_warps(kernel_ar
   monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))
   monkeypatch.setattr(gluon_gemm_kernel, "_jT_kernel_cache", {}, raising=False)
   m, k, n = 512, 1024, 768
+  from jax_autooverlap.backends.gluon import host_descs
+  from jax_autooverlap.tuning.config import KernelConfig
   f = lambda a, b: jt.triton_call(
-      a, b, kernel=gluon_gemm_kernel,
+      *host_descs(a, b, KernelConfig(engine="gluon")), kernel=gluon_gemm_kernel,
       out_type=(jax.ShapeDtypeStruct((m, n), jnp.bfloat16), jax.ShapeDtypeStruct((4,), np.int64),
                 _compat.scratch_out_type(8)),
       grid=(8,), num_warps=8, compute_capability=90, M=m, K=k, N=n, BLOCK_M=128, BLOCK_N=256,

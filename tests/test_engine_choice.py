@@ -147,7 +147,9 @@ def test_gluon_rs_launch_follows_the_configs_warpgroup_flag(monkeypatch):
   def triton_call(*args, **kw):
     calls.append(kw)
     return "out", "timeline", "scratch"
-  monkeypatch.setattr(gluon, "import_jax_triton", lambda: SimpleNamespace(triton_call=triton_call))
+  descriptor = gluon.import_jax_triton().TensorDescriptor  # (the operands' host descriptors)
+  monkeypatch.setattr(gluon, "import_jax_triton",
+                      lambda: SimpleNamespace(triton_call=triton_call, TensorDescriptor=descriptor))
   a = jax.ShapeDtypeStruct((1024, 512), bf16)
   b = jax.ShapeDtypeStruct((512, 768), bf16)
   kw = dict(world=2, out_dtype=bf16, timeout_s=1.0, num_sms=132, compute_capability=90)
@@ -210,3 +212,49 @@ def test_gluon_push_descriptors_per_tile_only_where_a_cta_pushes_fewer_tiles_tha
                          kernel=KernelConfig(engine="gluon", num_comm=movers),
                          return_gathered=False, **kw)
   assert [c["PUSH_DESC_PER_UNIT"] for c in calls] == [True, False, False]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("op", ["gemm", "ag", "rs"])
+def test_gluon_launches_pass_host_made_descriptors_of_their_operands(monkeypatch, op, dtype):
+  """The Gluon kernels take a's and b's TMA descriptors as launch parameters, encoded on the
+  host by jax-triton, in boxes of the config's tiles (fp8: b K-major, [N, K]), and the AG's
+  mover its shard as [1, rows, K] in 8 KB boxes: no CTA makes them before its first loads
+  (~0.7 us each, docs/NOTES.md)."""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  from jax_autooverlap.kernels.gluon_engine import shared_layout
+  jt = import_jax_triton()
+
+  class Launched(Exception):
+    pass
+
+  def fake_call(*args, **kw):
+    raise Launched(args)
+  monkeypatch.setattr(jt, "triton_call", fake_call)
+  dt = jnp.dtype(dtype)
+  fp8 = dt.itemsize == 1
+  cfg = KernelConfig(engine="gluon", block_k=128 if fp8 else 64)
+  m, k, n = 1024, 512, 768
+  a = jnp.zeros((m, k), dt)
+  b = jnp.zeros((n, k) if fp8 else (k, n), dt)
+  table, rank = jnp.zeros((6,), np.uint32), jnp.zeros((1,), np.int32)
+  common = dict(kernel=cfg, out_dtype=bf16, num_sms=132, compute_capability=90)
+  with pytest.raises(Launched) as launched:
+    if op == "gemm":
+      gluon.launch_gemm(a, b, **common)
+    elif op == "ag":
+      gluon.launch_ag_gemm(a, b, table, rank, world=2, return_gathered=False, timeout_s=1.0,
+                           **common)
+    else:
+      gluon.launch_gemm_rs(a, b, table, rank, world=2, timeout_s=1.0, **common)
+  args = launched.value.args[0]
+  descs = [x for x in args if isinstance(x, jt.TensorDescriptor)]
+  want = [(a, (m, k), (k, 1), (128, cfg.block_k))]
+  if op == "ag":
+    want.append((a, (1, m, k), (m * k, k, 1), (1, 64, 128 // dt.itemsize)))
+  want.append((b, (n, k), (k, 1), (256, 128)) if fp8 else (b, (k, n), (n, 1), (64, 256)))
+  assert [(d.base, d.shape, d.strides, d.block_shape) for d in descs] == want
+  assert args[:len(descs)] == tuple(descs)  # the kernels' first parameters
+  gl_dt = gluon._gl_dtype(dt)
+  assert [d.layout for d in descs] == [shared_layout(list(d.block_shape), gl_dt) for d in descs]

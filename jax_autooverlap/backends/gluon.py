@@ -9,7 +9,13 @@ The grid and the per-call constants follow the `tl` launchers; what differs:
 - the operand ring has kernel.num_stages stages, the consumers' tile is
   block_m x block_n, one 64-row wgmma per warpgroup;
 - AG+GEMM: the shard is pushed by a mover warp in each of the first
-  kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid).
+  kernel.num_comm CTAs, which all compute (backends/launch.py's ag_grid);
+- the operands' TMA descriptors (a, b; the AG mover's view of the shard) are made
+  on the host (`host_desc`): jax-triton encodes them with the buffers' addresses
+  into each launch's parameters.  Made on the device they cost every CTA ~0.7 us
+  each before its first load (kernel entry to the consumers' start: engine 3.4 ->
+  2.0 us, fused AG 5.6 -> 2.7 us, one H200, docs/NOTES.md).  The outputs' and the
+  workspace's descriptors are made on the device, by the partition that uses them.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import jax
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
 from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
                                              rs_grid, trace_out_type)
+from jax_autooverlap.fp8 import is_fp8
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -42,21 +49,54 @@ def _push_units(k: int, world: int, tm: int) -> int:
   return tm * (world - 1) * math.ceil(k / push_slice(k))
 
 
+def _gl_dtype(dtype):
+  from triton.experimental.gluon import language as gl
+  return {"bfloat16": gl.bfloat16, "float16": gl.float16, "float32": gl.float32,
+          "float8_e4m3fn": gl.float8e4nv, "float8_e5m2": gl.float8e5}[jax.numpy.dtype(dtype).name]
+
+
+def host_desc(x, shape, strides, block_shape):
+  """A TMA descriptor of x made on the host at each launch (jax-triton encodes it with the
+  buffer's address into the kernel's parameters): the kernel does not spend ~0.7 us a CTA
+  making it (docs/NOTES.md), with the default NVMMA swizzle for its block (as
+  gluon_engine.make_desc)."""
+  from jax_autooverlap.kernels.gluon_engine import shared_layout
+  jt = import_jax_triton()
+  return jt.TensorDescriptor(x, tuple(shape), tuple(strides), tuple(block_shape),
+                             layout=shared_layout(list(block_shape), _gl_dtype(x.dtype)))
+
+
+def host_descs(a, b, kernel: KernelConfig):
+  """Host descriptors of a GEMM's operands: a [M, K] in [block_m, block_k] boxes, b [K, N] in
+  [block_k, block_n] boxes (fp8: b is [N, K], boxes [block_n, block_k])."""
+  (m, k), bm, bn, bk = a.shape, kernel.block_m, kernel.block_n, kernel.block_k
+  a_desc = host_desc(a, (m, k), (k, 1), (bm, bk))
+  n = b_cols(a, b)
+  if is_fp8(a.dtype):  # K-major b (b_cols)
+    return a_desc, host_desc(b, (n, k), (k, 1), (bn, bk))
+  return a_desc, host_desc(b, (k, n), (n, 1), (bk, bn))
+
+
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    return_gathered: bool, timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
                    trace: bool = False, workspace_bytes: int | None = None):
   """backends/triton.py's launch_ag_gemm, on the Gluon engine; trace: also return the
   consumers' per-tile timeline (kernels/gluon_trace.py; the loopback benchmark's --trace)."""
-  from jax_autooverlap.kernels.gluon_ag_gemm import gluon_ag_gemm_kernel
+  from jax_autooverlap.kernels.gluon_ag_gemm import BOX as MOVER_BOX
+  from jax_autooverlap.kernels.gluon_ag_gemm import box_cols, gluon_ag_gemm_kernel
   jt = import_jax_triton()
   m, k = a.shape
   n = b_cols(a, b)
   tm, tn, num_comm, num_ctas, _ = ag_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
+  a_desc, b_desc = host_descs(a, b, kernel)
+  box = (1, MOVER_BOX.value, box_cols(_gl_dtype(a.dtype)))  # the mover's staging box
+  a3_desc = host_desc(a, (1, m, k), (m * k, k, 1), box)
   out, gathered, timeline, _ = jt.triton_call(
-      a, b, table_row, rank, kernel=gluon_ag_gemm_kernel, name="ao_ag_gemm_gluon",
+      a_desc, a3_desc, b_desc, table_row, rank, kernel=gluon_ag_gemm_kernel,
+      name="ao_ag_gemm_gluon",
       zeroed_outputs=((0, 1) if poison else ()) + ((2,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
                 trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
@@ -82,8 +122,9 @@ def launch_gemm(a, b, *, kernel: KernelConfig, out_dtype, num_sms: int,
   n = b_cols(a, b)
   tiles = math.ceil(m / kernel.block_m) * math.ceil(n / kernel.block_n)
   num_ctas = min(num_sms, tiles)
+  a_desc, b_desc = host_descs(a, b, kernel)
   out, timeline, _ = jt.triton_call(
-      a, b, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
+      a_desc, b_desc, kernel=gluon_gemm_kernel, name="ao_gemm_gluon",
       zeroed_outputs=(1,) if trace else (),
       out_type=(jax.ShapeDtypeStruct((m, n), out_dtype), trace_out_type(num_ctas, trace),
                 scratch_out_type(num_ctas)),
@@ -108,8 +149,9 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   n = b_cols(a, b)
   m_out, tm, tn, num_ctas, _ = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
+  a_desc, b_desc = host_descs(a, b, kernel)
   out, timeline, _ = jt.triton_call(
-      a, b, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
+      a_desc, b_desc, table_row, rank, kernel=gluon_gemm_rs_kernel, name="ao_gemm_rs_gluon",
       zeroed_outputs=((0,) if poison else ()) + ((1,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype), trace_out_type(num_ctas, trace),
                 scratch_out_type(num_ctas)),

@@ -81,7 +81,7 @@ def copy_boxes(src_desc, src_i, dst_desc, dst_i, row0, ROWS: gl.constexpr, k0, k
 
 
 @gluon.jit
-def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF: gl.constexpr,
+def _mover(local_desc3, gathered_ptr, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF: gl.constexpr,
            PARITY_BYTES: gl.constexpr, M_SHARD: gl.constexpr, K: gl.constexpr, WORLD: gl.constexpr,
            TM: gl.constexpr, BLOCK_M: gl.constexpr, TILES_PER_CHUNK: gl.constexpr, KS: gl.constexpr,
            NUM_COMM: gl.constexpr, FLAGS_OFF: gl.constexpr, MAX_CHUNKS: gl.constexpr,
@@ -140,6 +140,8 @@ def _mover(local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OF
                            gl.minimum(K, (ks + 1) * KS), mv_bufs, mv_bars, n)
             signal_after_tma_stores(peer_flags[i] + tm // TILES_PER_CHUNK)
     if RETURN_GATHERED:
+      gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1],
+                                [1, BOX, box_cols(dtype)])
       # this GPU's gather buffers of this call's parity as [src, row, col]
       bufs_desc3 = eng.make_desc(my_bufs, [WORLD, M_SHARD, K], [SHARD, K, 1],
                                  [1, BOX, box_cols(dtype)])
@@ -233,10 +235,25 @@ def _load_peer_rows(step, tm, tn, rank, bufs_desc, b_desc, a_bufs, b_bufs, ready
                        b_bufs, ready, empty, it)
 
 
+@gluon.jit
+def _consumers(out_ptr, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
+               trace_ptr, M_SHARD, K: gl.constexpr, N, WORLD: gl.constexpr, TM: gl.constexpr,
+               TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr, scale=None):
+  """The engine's consumers, into the output as [src, rows, cols], whose descriptor they make
+  (first used at their first epilogue; made here, it does not hold up the producer)."""
+  BLOCK_M: gl.constexpr = c_smem.shape[1]
+  BLOCK_N: gl.constexpr = c_smem.shape[2]
+  o_desc = eng.tma.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],
+                                          strides=[M_SHARD * N, N, 1],
+                                          block_shape=[1, BLOCK_M, BLOCK_N], layout=c_smem.layout)
+  eng.compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                        tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE, scale)
+
+
 @lean_launch
 @gluon.jit
 def gluon_ag_gemm_kernel(
-    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
+    a_desc, a3_desc, b_desc, table_ptr, rank_ptr,  # inputs (a's and b's descriptors: host-made)
     out_ptr, gathered_ptr, trace_ptr, scratch_ptr,  # outputs (trace: gluon_trace.py; scratch:
                                                     # _compat.lean_launch)
     M_SHARD: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
@@ -249,48 +266,38 @@ def gluon_ag_gemm_kernel(
     PUSH_DESC_PER_UNIT: gl.constexpr,
 ):
   trace.kernel_entry(trace_ptr, TRACE)
-  dtype: gl.constexpr = a_ptr.dtype.element_ty
+  dtype: gl.constexpr = a_desc.dtype
   # Only the consumers (the default partition, which needs the rank at its first epilogue)
   # and finish_call use these here: loads in flight, not waited for before the partitions.
   rank, ws, header, epoch, parity, my_flags = call_state(table_ptr, rank_ptr, FLAGS_OFF, WORLD,
                                                          MAX_CHUNKS)
   TM: gl.constexpr = (M_SHARD + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-  SHARD: gl.constexpr = M_SHARD * K
-
-  # Descriptors are made once per CTA.  Here only those that do not depend on this call's
-  # epoch, so the first tile (local, static: gluon_engine.first_tile) starts loading without
-  # waiting for the rank -> table -> epoch chain; the producer and the mover make the others.
-  if eng.b_kmajor(dtype):  # b is [N, K]
-    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-  else:
-    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-  local_desc = eng.make_desc(a_ptr, [M_SHARD, K], [K, 1], [BLOCK_M, BLOCK_K])
-  o_desc = eng.make_desc(out_ptr, [WORLD, M_SHARD, N], [M_SHARD * N, N, 1], [1, BLOCK_M, BLOCK_N])
-  # The mover's: shards as [shard, row, col] (rows clipped at a shard's end).
-  local_desc3 = eng.make_desc(a_ptr, [1, M_SHARD, K], [SHARD, K, 1], [1, BOX, box_cols(dtype)])
-  if RETURN_GATHERED:
-    gath_desc = eng.make_desc(gathered_ptr, [WORLD, M_SHARD, K], [SHARD, K, 1],
-                              [1, BOX, box_cols(dtype)])
-  else:  # `gathered` is a placeholder: no descriptor over it (never used)
-    gath_desc = local_desc3
+  # a's descriptors (a_desc for the GEMM, a3_desc: the shard as [1, rows, K] in the mover's
+  # boxes) and b's are made on the host, so the first tile (local, static:
+  # gluon_engine.first_tile) starts loading at once; each partition makes the descriptors
+  # only it uses (the output's, the gather buffers', the peers'), overlapping the others.
+  local_desc = a_desc
+  local_desc3 = a3_desc
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
                                                                                   STAGES)
-  c_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BLOCK_M, BLOCK_N], o_desc.layout)
+  out_dtype: gl.constexpr = out_ptr.dtype.element_ty
+  c_smem = gl.allocate_shared_memory(out_dtype, [1, BLOCK_M, BLOCK_N],
+                                     eng.shared_layout([1, BLOCK_M, BLOCK_N], out_dtype))
   mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, box_cols(dtype)], local_desc3.layout)
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
-  consumers = (o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
-               trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE)
+  consumers = (out_ptr, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, rank,
+               trace_ptr, M_SHARD, K, N, WORLD, TM, TN, GROUP_M, TRACE)
   if eng.b_kmajor(dtype):  # fp8: the epilogue's scale, like rank, the consumers' (in flight)
     consumers = consumers + (epilogue_scale(table_ptr, WORLD),)
   gl.warp_specialize([
-      (eng.compute_and_store, consumers),
+      (_consumers, consumers),
       (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
-      (_mover, (local_desc3, gath_desc, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
+      (_mover, (local_desc3, gathered_ptr, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
                 PARITY_BYTES, M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
                 NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID,
                 PUSH_DESC_PER_UNIT)),

@@ -31,27 +31,35 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, t
   eng.publish_tile(tiles, tile_ready, tile_free, j, TM * TN)  # no more tiles
 
 
+@gluon.jit
+def _consumers(c_ptr, M: gl.constexpr, N: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, c_smem, a_bufs, b_bufs, ready, empty,
+               tiles, tile_ready, tile_free, trace_ptr, K: gl.constexpr, TM: gl.constexpr,
+               TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
+  """The consumers make the output's descriptor themselves: it is first used at their first
+  epilogue, and made here it does not hold up the producer's first loads."""
+  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+  eng.compute_and_store(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                        tile_free, None, trace_ptr, K, 1, TM, TN, GROUP_M, TRACE)
+
+
 @lean_launch
 @gluon.jit
-def gluon_gemm_kernel(a_ptr, b_ptr, c_ptr, trace_ptr, scratch_ptr,
+def gluon_gemm_kernel(a_desc, b_desc, c_ptr, trace_ptr, scratch_ptr,
                       M: gl.constexpr, K: gl.constexpr, N: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                       NUM_CTAS: gl.constexpr, TRACE: gl.constexpr):
+  """a_desc, b_desc: host-made descriptors of a [M, K] and b [K, N] (fp8: [N, K])."""
   trace.kernel_entry(trace_ptr, TRACE)
-  a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-  if eng.b_kmajor(a_ptr.dtype.element_ty):
-    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-  else:
-    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
-  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc, STAGES)
-  c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+  c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
+                                     eng.shared_layout([BLOCK_M, BLOCK_N], c_ptr.dtype.element_ty))
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   gl.warp_specialize([
-      (eng.compute_and_store, (c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                               tile_free, None, trace_ptr, K, 1, TM, TN, GROUP_M, TRACE)),
+      (_consumers, (c_ptr, M, N, BLOCK_M, BLOCK_N, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
+                    tile_free, trace_ptr, K, TM, TN, GROUP_M, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])

@@ -164,7 +164,7 @@ def prefetch_l2(base, rows, cols, stride: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(state, o_desc, c_smem, part_bars, a_bufs, b_bufs, ready, empty, tiles,
+def _consumer(state, out_ptr, c_smem, part_bars, a_bufs, b_bufs, ready, empty, tiles,
               tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr,
               K: gl.constexpr,
               BLOCK_K: gl.constexpr, M_OUT: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
@@ -178,18 +178,18 @@ def _consumer(state, o_desc, c_smem, part_bars, a_bufs, b_bufs, ready, empty, ti
   the tile), or warpgroup WG's
   partition for rows [64 WG, 64 WG + 64) of every tile (WG_PARTS = 2: each warpgroup loads,
   adds and stores its half, and pushes and releases it; a peer's chunk counter then counts
-  halves).  o_desc, c_smem and part_bars are this partition's.  state: the call's (my_slots,
+  halves).  c_smem and part_bars are this partition's.  state: the call's (my_slots,
   my_flags, err_addr, rank, parity) from the kernel's top level (loads in flight: the default
   partition waits for them where it first uses them), or None: loaded here after the first
   main loop (a worker partition's arguments must be ready before any partition starts, which
   would hold the first tile up behind the rank -> table -> epoch chain)."""
-  ROWS: gl.constexpr = o_desc.block_type.shape[0]  # rows of each tile this partition computes
+  ROWS: gl.constexpr = c_smem.shape[0]  # rows of each tile this partition computes
   BLOCK_M: gl.constexpr = ROWS * WG_PARTS
   ROW0: gl.constexpr = WG * ROWS
   WARPS: gl.constexpr = eng.consumer_warps(ROWS)
   TRACE_HERE: gl.constexpr = TRACE if WG == 0 else False
-  BLOCK_N: gl.constexpr = o_desc.block_type.shape[1]
-  out_dtype: gl.constexpr = o_desc.dtype
+  BLOCK_N: gl.constexpr = c_smem.shape[1]
+  out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   TOTAL: gl.constexpr = WORLD * TM * TN
   SLOT: gl.constexpr = M_OUT * N
   # The loop is rotated (epilogue of tile j, then prologue and main loop of tile j+1) so that
@@ -197,6 +197,9 @@ def _consumer(state, o_desc, c_smem, part_bars, a_bufs, b_bufs, ready, empty, ti
   # table -> epoch, loaded meanwhile).  Every CTA has a first tile (grid <= tiles).
   gl.static_assert(NUM_CTAS <= TOTAL, "a CTA without a tile")
   trace.start(trace_ptr, TRACE_HERE)
+  # this partition's rows of the output (own tiles' stores), made while the producer's first
+  # loads are in flight
+  o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [ROWS, BLOCK_N])
   it = 0
   j = 0
   t = eng.take(tiles, tile_ready, tile_free, j, WARPS)  # the static first tile: never tagged
@@ -333,7 +336,8 @@ def _alloc_part_bars():
 @lean_launch
 @gluon.jit
 def gluon_gemm_rs_kernel(
-    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
+    a_desc, b_desc, table_ptr, rank_ptr,  # inputs: descriptors (host-made) of a[M, K] and b[K, N]
+                                          # (fp8: [N, K]), this GPU's partial operands
     out_ptr, trace_ptr, scratch_ptr,    # outputs: [M / WORLD, N]; trace (gluon_trace.py); scratch
                                         # (_compat.lean_launch)
     M: gl.constexpr, K: gl.constexpr, N: gl.constexpr, WORLD: gl.constexpr,
@@ -359,23 +363,19 @@ def gluon_gemm_rs_kernel(
   TM: gl.constexpr = (M_OUT + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   my_slots = (ws + BUF_OFF + parity.to(gl.int64) * PARITY_BYTES).to(gl.pointer_type(out_dtype))
-  # Descriptors are made once per CTA; here those that do not depend on this call's epoch,
-  # so the first tile (static: gluon_engine.first_tile) starts loading at once.
-  a_desc = eng.make_desc(a_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-  if eng.b_kmajor(a_ptr.dtype.element_ty):  # fp8: b is [N, K]
-    b_desc = eng.make_desc(b_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
-  else:
-    b_desc = eng.make_desc(b_ptr, [K, N], [N, 1], [BLOCK_K, BLOCK_N])
+  # The operands' descriptors are made on the host, so the first tile (static:
+  # gluon_engine.first_tile) starts loading at once; each consumer partition makes its own
+  # output descriptor, the others theirs (overlapping the first loads).
   ROWS: gl.constexpr = BLOCK_M // WG_PARTS  # rows of a tile per consumer partition
-  o_desc = eng.make_desc(out_ptr, [M_OUT, N], [N, 1], [ROWS, BLOCK_N])
+  c_layout: gl.constexpr = eng.shared_layout([ROWS, BLOCK_N], out_dtype)
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
                                                                                   STAGES, WG_PARTS)
   if WG_PARTS == 1:
-    c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], o_desc.layout)
+    c_smem = gl.allocate_shared_memory(out_dtype, [BLOCK_M, BLOCK_N], c_layout)
     part_bars = _alloc_part_bars()
     sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)
     gl.warp_specialize([
-        (_consumer, ((my_slots, my_flags, err_addr, rank, parity), o_desc, c_smem, part_bars,
+        (_consumer, ((my_slots, my_flags, err_addr, rank, parity), out_ptr, c_smem, part_bars,
                      a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free, sig_box,
                      sig_ready, sig_free, table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N,
                      WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES,
@@ -387,19 +387,19 @@ def gluon_gemm_rs_kernel(
     ], [eng.PRODUCER_WARPS, SIGNALLER_WARPS], [eng.PRODUCER_REGS, SIGNALLER_REGS])
   else:
     gl.static_assert(WG_PARTS == 2, "WG_PARTS: 1 or 2")
-    c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
-    c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], o_desc.layout)
+    c_smem0 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
+    c_smem1 = gl.allocate_shared_memory(out_dtype, [ROWS, BLOCK_N], c_layout)
     part_bars0 = _alloc_part_bars()
     part_bars1 = _alloc_part_bars()
     sig_box, sig_ready, sig_free = eng.alloc_ring(gl.int64)  # warpgroup 0's releases
     sig1_box, sig1_ready, sig1_free = eng.alloc_ring(gl.int64)  # warpgroup 1's
     gl.warp_specialize([
-        (_consumer, (None, o_desc, c_smem0, part_bars0, a_bufs, b_bufs, ready,
+        (_consumer, (None, out_ptr, c_smem0, part_bars0, a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig_box, sig_ready, sig_free, table_ptr,
                      rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
                      TIMEOUT_NS, OP_ID, TRACE, 0, 2, PUSH_DESC_PER_TILE)),
-        (_consumer, (None, o_desc, c_smem1, part_bars1, a_bufs, b_bufs, ready,
+        (_consumer, (None, out_ptr, c_smem1, part_bars1, a_bufs, b_bufs, ready,
                      empty, tiles, tile_ready, tile_free, sig1_box, sig1_ready, sig1_free,
                      table_ptr, rank_ptr, trace_ptr, K, BLOCK_K, M_OUT, N, WORLD, TM, TN, GROUP_M,
                      TILES_PER_CHUNK, FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS,
