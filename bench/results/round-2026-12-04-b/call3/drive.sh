@@ -4,6 +4,8 @@
 # the capture tests on HEAD before the host descriptors (.old/base): is it new?
 # (2) the fp8 TP+SP step in 4 processes sharing the GPU on the Gluon kernels (host descriptors
 # across processes); (3) fp8 loopback on issue 28's reference shapes with the host descriptors.
+# (call3/agw1.py was call4/agw1.py without its `with jax.set_mesh(mesh)`: here it failed for
+# lack of the mesh, call 4 ran it again; removed as a duplicate)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; X=/tmp/extra; mkdir -p $X
