@@ -4,8 +4,9 @@
 # the capture tests on HEAD before the host descriptors (.old/base): is it new?
 # (2) the fp8 TP+SP step in 4 processes sharing the GPU on the Gluon kernels (host descriptors
 # across processes); (3) fp8 loopback on issue 28's reference shapes with the host descriptors.
-# (call3/agw1.py was call4/agw1.py without its `with jax.set_mesh(mesh)`: here it failed for
-# lack of the mesh, call 4 ran it again; removed as a duplicate)
+# (agw1.py, a 20-line helper calling ao.ag_matmul / ao.matmul_rs at world 1 in shard_map with
+# impl="triton", printing each traceback: it failed here for lack of `jax.set_mesh`; call 4 ran
+# it with the mesh; git keeps it, commit 20b0209)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; X=/tmp/extra; mkdir -p $X

@@ -4,6 +4,7 @@
 # tree and HEAD before it (.old/base); (2) the capture tests' world-1 AG failure (also on HEAD
 # before: call 3) with its traceback; (3) a sample of the bf16 shape list at M = 128 and 1024
 # with the host descriptors (compare: round-2026-12-03-f/shapes-table-all-measured.txt).
+# (agw1.py: call 3's helper under `with jax.set_mesh(mesh)`; git keeps it, commit 20b0209)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; X=/tmp/extra; mkdir -p $X
