@@ -241,6 +241,7 @@ def _consumers(out_ptr, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
                TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr, scale=None):
   """The engine's consumers, into the output as [src, rows, cols], whose descriptor they make
   (first used at their first epilogue; made here, it does not hold up the producer)."""
+  # (M_SHARD and N arrive as values, not constexprs: the descriptor takes c_smem's layout)
   BLOCK_M: gl.constexpr = c_smem.shape[1]
   BLOCK_N: gl.constexpr = c_smem.shape[2]
   o_desc = eng.tma.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],
@@ -277,14 +278,12 @@ def gluon_ag_gemm_kernel(
   # boxes) and b's are made on the host, so the first tile (local, static:
   # gluon_engine.first_tile) starts loading at once; each partition makes the descriptors
   # only it uses (the output's, the gather buffers', the peers'), overlapping the others.
-  local_desc = a_desc
-  local_desc3 = a3_desc
-  a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(local_desc, b_desc,
+  a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
                                                                                   STAGES)
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
   c_smem = gl.allocate_shared_memory(out_dtype, [1, BLOCK_M, BLOCK_N],
                                      eng.shared_layout([1, BLOCK_M, BLOCK_N], out_dtype))
-  mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, box_cols(dtype)], local_desc3.layout)
+  mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, box_cols(dtype)], a3_desc.layout)
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):
     mbarrier.init(mv_bars.index(i), count=1)
@@ -294,10 +293,10 @@ def gluon_ag_gemm_kernel(
     consumers = consumers + (epilogue_scale(table_ptr, WORLD),)
   gl.warp_specialize([
       (_consumers, consumers),
-      (_producer, (local_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
+      (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    table_ptr, rank_ptr, M_SHARD, K, WORLD, TM, TN, GROUP_M, TILES_PER_CHUNK, KS,
                    FLAGS_OFF, BUF_OFF, PARITY_BYTES, MAX_CHUNKS, NUM_CTAS, TIMEOUT_NS, OP_ID)),
-      (_mover, (local_desc3, gathered_ptr, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
+      (_mover, (a3_desc, gathered_ptr, mv_bufs, mv_bars, table_ptr, rank_ptr, BUF_OFF,
                 PARITY_BYTES, M_SHARD, K, WORLD, TM, BLOCK_M, TILES_PER_CHUNK, KS,
                 NUM_COMM, FLAGS_OFF, MAX_CHUNKS, RETURN_GATHERED, TIMEOUT_NS, OP_ID,
                 PUSH_DESC_PER_UNIT)),

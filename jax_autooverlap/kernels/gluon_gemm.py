@@ -58,8 +58,8 @@ def gluon_gemm_kernel(a_desc, b_desc, c_ptr, trace_ptr, scratch_ptr,
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   gl.warp_specialize([
-      (_consumers, (c_ptr, M, N, BLOCK_M, BLOCK_N, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
-                    tile_free, trace_ptr, K, TM, TN, GROUP_M, TRACE)),
+      (_consumers, (c_ptr, M, N, BLOCK_M, BLOCK_N, c_smem, a_bufs, b_bufs, ready, empty, tiles,
+                    tile_ready, tile_free, trace_ptr, K, TM, TN, GROUP_M, TRACE)),
       (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free,
                    K, TM, TN, GROUP_M, NUM_CTAS)),
   ], [eng.PRODUCER_WARPS], [eng.PRODUCER_REGS])
