@@ -138,6 +138,14 @@ def test_warpgroup_partitions_are_a_validated_gluon_only_flag():
     KernelConfig(engine="gluon", wg_partitions=1)
 
 
+def _jax_triton_calling(triton_call):
+  """jax_triton with its triton_call replaced (its host TensorDescriptor, which the Gluon
+  launchers build their operands' descriptors with, kept)."""
+  from jax_autooverlap._compat import import_jax_triton
+  return SimpleNamespace(triton_call=triton_call,
+                         TensorDescriptor=import_jax_triton().TensorDescriptor)
+
+
 def test_gluon_rs_launch_follows_the_configs_warpgroup_flag(monkeypatch):
   """backends/gluon.launch_gemm_rs builds the warpgroup-partition kernel (WG_PARTS = 2, its
   default partition one warpgroup) exactly when the config says so."""
@@ -147,9 +155,7 @@ def test_gluon_rs_launch_follows_the_configs_warpgroup_flag(monkeypatch):
   def triton_call(*args, **kw):
     calls.append(kw)
     return "out", "timeline", "scratch"
-  descriptor = gluon.import_jax_triton().TensorDescriptor  # (the operands' host descriptors)
-  monkeypatch.setattr(gluon, "import_jax_triton",
-                      lambda: SimpleNamespace(triton_call=triton_call, TensorDescriptor=descriptor))
+  monkeypatch.setattr(gluon, "import_jax_triton", lambda: _jax_triton_calling(triton_call))
   a = jax.ShapeDtypeStruct((1024, 512), bf16)
   b = jax.ShapeDtypeStruct((512, 768), bf16)
   kw = dict(world=2, out_dtype=bf16, timeout_s=1.0, num_sms=132, compute_capability=90)
@@ -193,7 +199,7 @@ def test_gluon_push_descriptors_per_tile_only_where_a_cta_pushes_fewer_tiles_tha
   def triton_call(*args, **kw):
     calls.append(kw)
     return tuple(range(len(kw["out_type"])))
-  monkeypatch.setattr(gluon, "import_jax_triton", lambda: SimpleNamespace(triton_call=triton_call))
+  monkeypatch.setattr(gluon, "import_jax_triton", lambda: _jax_triton_calling(triton_call))
   kw = dict(out_dtype=bf16, timeout_s=1.0, num_sms=132, compute_capability=90)
   cfg = KernelConfig(engine="gluon")
   spec = lambda *s: jax.ShapeDtypeStruct(s, bf16)
