@@ -68,6 +68,7 @@ class _Dtype:
     if name not in cls._all:
       cls._all[name] = super().__new__(cls)
       cls._all[name].name = name
+      cls._all[name].itemsize = np.dtype(name).itemsize  # (what a TensorDescriptor reads)
     return cls._all[name]
 
   def __str__(self):
@@ -83,6 +84,15 @@ class Host:
 
   def data_ptr(self):
     return self.array.ctypes.data
+
+
+def _operand_descs(a, b, cfg):
+  """The operands' descriptors the launchers make on the host (backends/launch.operand_descs;
+  16-bit operands: b is [K, N])."""
+  from triton.tools.tensor_descriptor import TensorDescriptor
+  (m, k), n = a.shape, b.shape[1]
+  return (TensorDescriptor(Host(a), [m, k], [k, 1], [cfg.block_m, cfg.block_k]),
+          TensorDescriptor(Host(b), [k, n], [n, 1], [cfg.block_k, cfg.block_n]))
 
 
 def _buffer(nbytes, align=4096):
@@ -186,14 +196,14 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
     if op == "ag":
       gathered = np.zeros(16, np.float16)
       ag_gemm_kernel[(num_ctas,)](
-          Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
+          Host(a), *_operand_descs(a, b, cfg), Host(table_out), Host(rank_arg), Host(out), Host(gathered),
           Host(partials), Host(np.zeros(4, np.int64)), Host(scratch), M_SHARD=rows, K=kk,
           N=cols, NUM_COMM=num_comm,
           **copies, RETURN_GATHERED=False, SPLIT_K=split_k,
           SPLIT_FROM=first_split, PACK=pack(cfg, "ag", rows, cols), **consts)
     else:
       gemm_rs_kernel[(num_ctas,)](
-          Host(a), Host(b), Host(table_out), Host(rank_arg), Host(out), Host(partials),
+          *_operand_descs(a, b, cfg), Host(table_out), Host(rank_arg), Host(out), Host(partials),
           Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
           PACK=pack(cfg, "rs", rows // world, cols), **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()

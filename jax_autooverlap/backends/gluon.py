@@ -24,9 +24,8 @@ import math
 import jax
 
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type
-from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, parity_bytes,
-                                             rs_grid, trace_out_type)
-from jax_autooverlap.fp8 import is_fp8
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, kernel_constants, operand_descs,
+                                             parity_bytes, rs_grid, trace_out_type)
 from jax_autooverlap.tuning.config import KernelConfig
 
 
@@ -55,26 +54,22 @@ def _gl_dtype(dtype):
           "float8_e4m3fn": gl.float8e4nv, "float8_e5m2": gl.float8e5}[jax.numpy.dtype(dtype).name]
 
 
-def host_desc(x, shape, strides, block_shape):
-  """A TMA descriptor of x made on the host at each launch (jax-triton encodes it with the
-  buffer's address into the kernel's parameters): the kernel does not spend ~0.7 us a CTA
-  making it (docs/NOTES.md), with the default NVMMA swizzle for its block (as
-  gluon_engine.make_desc)."""
+def _layout(block_shape, dtype):
+  """The shared-memory layout of a Gluon kernel's descriptor (as gluon_engine.make_desc's)."""
   from jax_autooverlap.kernels.gluon_engine import shared_layout
-  jt = import_jax_triton()
-  return jt.TensorDescriptor(x, tuple(shape), tuple(strides), tuple(block_shape),
-                             layout=shared_layout(list(block_shape), _gl_dtype(x.dtype)))
+  return shared_layout(list(block_shape), _gl_dtype(dtype))
+
+
+def host_desc(x, shape, strides, block_shape):
+  """A descriptor of x made on the host (launch.operand_descs), in a Gluon kernel's layout."""
+  return import_jax_triton().TensorDescriptor(x, tuple(shape), tuple(strides),
+                                              tuple(block_shape), layout=_layout(block_shape,
+                                                                                 x.dtype))
 
 
 def host_descs(a, b, kernel: KernelConfig):
-  """Host descriptors of a GEMM's operands: a [M, K] in [block_m, block_k] boxes, b [K, N] in
-  [block_k, block_n] boxes (fp8: b is [N, K], boxes [block_n, block_k])."""
-  (m, k), bm, bn, bk = a.shape, kernel.block_m, kernel.block_n, kernel.block_k
-  a_desc = host_desc(a, (m, k), (k, 1), (bm, bk))
-  n = b_cols(a, b)
-  if is_fp8(a.dtype):  # K-major b (b_cols)
-    return a_desc, host_desc(b, (n, k), (k, 1), (bn, bk))
-  return a_desc, host_desc(b, (k, n), (n, 1), (bk, bn))
+  """launch.operand_descs in the Gluon kernels' layouts."""
+  return operand_descs(a, b, kernel, _layout)
 
 
 def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,

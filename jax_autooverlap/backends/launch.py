@@ -1,6 +1,6 @@
 """Launch geometry both engines' launchers share (backends/triton.py, backends/gluon.py): the
-grids of the fused kernels, the compile-time constants every fused kernel takes, and the
-layout of fp8 operands."""
+grids of the fused kernels, the compile-time constants every fused kernel takes, the
+layout of fp8 operands, and the operands' TMA descriptors made on the host."""
 from __future__ import annotations
 
 import math
@@ -175,3 +175,23 @@ def with_scale(table_row, scale, world: int):
   last pair (kernels/sync.py's epilogue_scale reads it; the word is otherwise unused)."""
   bits = lax.bitcast_convert_type(lax.convert_element_type(scale, np.float32), np.uint32)
   return table_row.at[2 * world].set(bits.reshape(()))
+
+
+def operand_descs(a, b, kernel: KernelConfig, layout=None):
+  """TMA descriptors of a launch's operands, made on the host (jax-triton's TensorDescriptor:
+  jaxlib encodes each with its buffer's address into the launch's parameters), so that no CTA
+  makes them before its first loads (~0.7 us each on the device, docs/NOTES.md): a [M, K] in
+  [block_m, block_k] boxes, b [K, N] in [block_k, block_n] boxes (fp8: b is [N, K], b_cols,
+  boxes [block_n, block_k]).  layout(block_shape, dtype): the shared-memory layout a Gluon
+  kernel declares for a descriptor (None: Triton chooses, for `tl` kernels)."""
+  from jax_autooverlap._compat import import_jax_triton
+  jt = import_jax_triton()
+
+  def desc(x, shape, strides, block):
+    return jt.TensorDescriptor(x, shape, strides, block,
+                               layout=None if layout is None else layout(block, x.dtype))
+  (m, k), bm, bn, bk = a.shape, kernel.block_m, kernel.block_n, kernel.block_k
+  n = b_cols(a, b)
+  b_desc = (desc(b, (n, k), (k, 1), (bn, bk)) if fp8.is_fp8(a.dtype)
+            else desc(b, (k, n), (n, 1), (bk, bn)))
+  return desc(a, (m, k), (k, 1), (bm, bk)), b_desc

@@ -18,9 +18,10 @@ from jax import lax
 from jax_autooverlap import fp8
 from jax_autooverlap._compat import import_jax_triton, scratch_out_type, vary_over, varying_axes
 from jax_autooverlap.backends import gluon
-from jax_autooverlap.backends.launch import (ag_grid, b_cols, copy_block, kernel_constants, pack,
-                                             parity_bytes, partials_type, rs_grid, split_from,
-                                             spread_rows, trace_out_type, with_scale)
+from jax_autooverlap.backends.launch import (ag_grid, b_cols, copy_block, kernel_constants,
+                                             operand_descs, pack, parity_bytes, partials_type,
+                                             rs_grid, split_from, spread_rows, trace_out_type,
+                                             with_scale)
 from jax_autooverlap.runtime import topology, workspace
 from jax_autooverlap.runtime.errors import register_op
 from jax_autooverlap.tuning.config import KernelConfig
@@ -81,8 +82,9 @@ def launch_ag_gemm(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   tm, tn, num_comm, num_ctas, tiles = ag_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("ag_rows", world, a, n, out_dtype, workspace_bytes, "launch_ag_gemm")
   gathered_type = jax.ShapeDtypeStruct((world * m, k) if return_gathered else (16,), a.dtype)
+  a_desc, b_desc = operand_descs(a, b, kernel)
   out, gathered, _, timeline, _ = jt.triton_call(
-      a, b, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
+      a, a_desc, b_desc, table_row, rank, kernel=ag_gemm_kernel, name="ao_ag_gemm",
       zeroed_outputs=((0, 1) if poison else ()) + ((3,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((world * m, n), out_dtype), gathered_type,
                 partials_type(kernel, tiles, k, "launch_ag_gemm"),
@@ -162,8 +164,9 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   n = b_cols(a, b)
   m_out, tm, tn, num_ctas, tiles = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
+  a_desc, b_desc = operand_descs(a, b, kernel)
   out, _, _ = jt.triton_call(
-      a, b, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
+      a_desc, b_desc, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=(0,) if poison else (),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype),
                 partials_type(kernel, tiles, k, "launch_gemm_rs"),

@@ -83,7 +83,8 @@ def _store_rows(dst, vals, tile_row0, first, col0, ROWS: tl.constexpr, COLS: tl.
 @lean_launch
 @triton.jit
 def ag_gemm_kernel(
-    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs
+    a_ptr, a_desc, b_desc, table_ptr, rank_ptr,  # inputs: a (the movers' copies read it) and
+                                                 # the host-made descriptors of a and b
     out_ptr, gathered_ptr, partials_ptr, trace_ptr, scratch_ptr,  # outputs (partials: split_k.py;
                                                                   # trace: tl_trace.py; scratch:
                                                                   # see _compat.lean_launch)
@@ -161,21 +162,17 @@ def ag_gemm_kernel(
   # Output tiles are handed out by a per-call counter, in the order local
   # shard first, then rank-1, rank-2, ...: compute CTAs start at once, movers
   # join when their pushes are done.  Each tile waits only for its chunk.
-  # Descriptors are made once per CTA (made per tile, their device-side
-  # creation cost up to 10 %, on 8192x4096x4096).  A ragged last tile row of a peer's
+  # The operands' descriptors are made on the host (backends/launch.operand_descs), the
+  # others once per CTA (made per tile, their device-side creation cost up to 10 %, on
+  # 8192x4096x4096; ~0.7 us each once per CTA).  A ragged last tile row of a peer's
   # shard reads rows of the next shard: they only feed output rows the 3-D
   # output descriptor clips (rows >= M_SHARD of that source).
   tile_counter = header + 2 + parity
   if FP8:  # b is [N, K]
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
     scale = epilogue_scale(table_ptr, WORLD)
   else:
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
     scale = 1.0  # unused
-  local_desc = tl.make_tensor_descriptor(a_ptr, shape=[M_SHARD, K], strides=[K, 1],
-                                         block_shape=[BLOCK_M, BLOCK_K])
+  local_desc = a_desc
   bufs_desc = tl.make_tensor_descriptor(my_bufs, shape=[WORLD * M_SHARD, K], strides=[K, 1],
                                         block_shape=[BLOCK_M, BLOCK_K])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],

@@ -69,7 +69,8 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
 @lean_launch
 @triton.jit
 def gemm_rs_kernel(
-    a_ptr, b_ptr, table_ptr, rank_ptr,  # inputs: a[M, K], b[K, N] (this GPU's partial operands)
+    a_desc, b_desc, table_ptr, rank_ptr,  # inputs: host-made descriptors of a[M, K] and b[K, N]
+                                          # (fp8: [N, K]), this GPU's partial operands
     out_ptr, partials_ptr, scratch_ptr,  # outputs: [M / WORLD, N]; split_k.py's partials;
                                          # scratch (_compat.lean_launch)
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
@@ -81,7 +82,7 @@ def gemm_rs_kernel(
     SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
 ):
   out_dtype = out_ptr.dtype.element_ty
-  FP8: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
+  FP8: tl.constexpr = a_desc.dtype.is_fp8()
   rank = tl.load(rank_ptr)
   ws = table_address(table_ptr, rank)
   err_slot = ws + ERROR_SLOT_OFFSET
@@ -97,18 +98,13 @@ def gemm_rs_kernel(
   # 64-bit offsets: a parity slot can exceed 2**31 bytes.
   my_slots = (ws + BUF_OFF + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(out_dtype))
   tile_counter = header + 2 + parity
-  # One descriptor per operand for the whole call.  A ragged last tile row of
-  # an owner reads rows of the next owner (of a, or of the next partial slot):
-  # they only feed output rows >= M_OUT, which are never stored.
-  a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
-                                     block_shape=[BLOCK_M, BLOCK_K])
+  # One descriptor per operand for the whole call (a's and b's made on the host:
+  # backends/launch.operand_descs).  A ragged last tile row of an owner reads rows of the
+  # next owner (of a, or of the next partial slot): they only feed output rows >= M_OUT,
+  # which are never stored.
   if FP8:  # b is [N, K]
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
     scale = epilogue_scale(table_ptr, WORLD)
   else:
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
     scale = 1.0  # unused
   part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
                                         block_shape=[BLOCK_M, BLOCK_N])
