@@ -141,10 +141,10 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
                      "1.080", "gluon-128x128-m64", "1.040", "1.300", f"{floor:.2f}", "1.10", "yes",
                      "-")
-  # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: nan; 16-row shards
-  # move in less time than the GEMM: the floor is the GEMM
-  assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "nan",
-                         "nan", "1.00", "1.25", "yes", "-")
+  # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: "-" (not measured);
+  # 16-row shards move in less time than the GEMM: the floor is the GEMM
+  assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "-",
+                         "-", "1.00", "1.25", "yes", "-")
   assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
                      "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-", "-")
   # RS: the peers' partials of this GPU's rows (bf16 for fp8 operands too); a kind without a
@@ -155,6 +155,7 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   table = shapes.format_table(records)
   assert table.splitlines()[-1] == "target met on 2 of 2 measured entries"
   assert "ours/cuBLAS" in table.splitlines()[1]
+  assert table.startswith("Shape list in loopback, bfloat16 operands")
   records[3]["median_ms"] = 0.111
   assert shapes.table_rows(records)[0][-2:] == ("no", "link")  # the floor is 1.53 x
   # the engine with its best tiles decides between engine and fused; its column shows the
@@ -234,6 +235,54 @@ def test_records_of_several_runs_merge_in_list_order_the_later_run_winning(tmp_p
   assert "2 of 3 selected entries already measured" in err
 
 
+def test_runs_of_several_dtypes_make_no_table_and_skip_only_their_own_entries(tmp_path, capsys):
+  """An entry is the same shape in every dtype: --table-from refuses bf16 and fp8 runs together
+  (one would replace the other's rows), naming both; --skip-measured skips only the entries its
+  files measured in --dtype; a .txt names the runs (listed_runs, relative to itself, in order)."""
+  def rec(dtype, impl, ms):
+    return dict(model="llama3-8b", projection="qkv", op="ag", m=4096, k=4096, n=6144,
+                world_size=8, local_gemm=[4096, 4096, 768], gpu="NVIDIA-H200", dtype=dtype,
+                impl=impl, median_ms=ms)
+  bf16, fp8 = tmp_path / "runs" / "bf16.json", tmp_path / "runs" / "fp8.json"
+  bf16.parent.mkdir()
+  bf16.write_text(json.dumps([rec("bfloat16", "gemm_alone", 0.05), rec("bfloat16", "ours", 0.06)]))
+  fp8.write_text(json.dumps([rec("float8_e4m3fn", "gemm_alone", 0.03),
+                             rec("float8_e4m3fn", "ours", 0.031)]))
+  with pytest.raises(ValueError, match=r"several operand dtypes.*bfloat16 in 1 file "
+                                       r"\(.*bf16\.json\); float8_e4m3fn in 1 file \(.*fp8\.json\)"):
+    shapes.read_records([bf16, fp8])
+  assert bench.main(["shapes", "--loopback", "--table-from", str(bf16), str(fp8)]) == 2
+  assert "several operand dtypes" in capsys.readouterr().err
+  fp8_only = shapes.read_records([bf16, fp8], "float8_e4m3fn")
+  assert [r["median_ms"] for r in fp8_only] == [0.03, 0.031]
+  # the manifest: comments and blank lines skipped, paths relative to it, its order kept
+  manifest = tmp_path / "runs.txt"
+  manifest.write_text("# the runs\n\nruns/fp8.json  # first\nruns/bf16.json\n")
+  assert shapes.listed_runs(manifest) == [fp8, bf16]
+  manifest.write_text("runs/bf16.json\n")
+  assert bench.main(["shapes", "--loopback", "--table-from", str(manifest)]) == 0
+  assert "1.200" in capsys.readouterr().out.splitlines()[2].split()
+  for dtype, left in (("bfloat16", 0), ("float8_e4m3fn", 1)):
+    assert bench.main(["shapes", "--loopback", "--list", "--dtype", dtype, "--filter", "llama3-8b",
+                       "--filter", "qkv", "--filter", "w8", "--filter", "m4096",
+                       "--skip-measured", str(bf16)]) == 0  # a bf16 run's entries
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"{left} entries"
+
+
+def test_the_committed_table_is_what_its_runs_give():
+  """bench/results/shapes-runs.txt names the runs of the newest committed all-measured table:
+  each file exists and holds bf16 records, and the table built from them is that file."""
+  import pathlib
+  results = pathlib.Path(__file__).parents[1] / "bench" / "results"
+  runs = shapes.listed_runs(results / "shapes-runs.txt")
+  assert runs and all(p.exists() for p in runs)
+  newest = sorted(results.glob("round-*/shapes-table-all-measured.txt"))[-1]
+  table = newest.read_text().rstrip("\n")
+  assert shapes.format_table(shapes.read_records(runs, "bfloat16")) == table
+  assert shapes.format_table(shapes.read_records(runs)) == table
+
+
 def test_a_run_cut_short_keeps_every_measured_entry_engine_alone_too(tmp_path):
   """The list's run writes its records after every entry, the engine alone's with them (a
   device call cut by its time limit kept the fused kernels' times but not the engine's)."""
@@ -256,9 +305,9 @@ def test_a_run_cut_short_keeps_every_measured_entry_engine_alone_too(tmp_path):
 
 def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, monkeypatch,
                                                                      capsys):
-  """The notebook's shape-list cell says when there are no runs, else reads every run under
-  bench/results/*/shapes-*/ (a later run's entry replacing an earlier one's), prints the counts
-  by what bounds the entries and draws one bar per measured entry, coloured by it."""
+  """The notebook's shape-list cell says when there are no runs, else reads the runs that
+  bench/results/shapes-runs.txt names (a later run's entry replacing an earlier one's), prints
+  the counts by what bounds the entries and draws one bar per measured entry, coloured by it."""
   import sys
   import unittest.mock
   cell = notebook_cell("shapes.read_records")
@@ -271,10 +320,12 @@ def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, m
   first = [dict(base, impl="gemm_alone", median_ms=0.1), dict(base, impl="ours", median_ms=0.2),
            dict(small, impl="gemm_alone", median_ms=0.01), dict(small, impl="ours", median_ms=0.02)]
   later = [dict(small, impl="gemm_alone", median_ms=0.01), dict(small, impl="ours", median_ms=0.012)]
-  for name, records in (("round-a/shapes-x", first), ("round-b/shapes-y", later)):
+  for name, records in (("round-a/x", first), ("round-b/y", later)):
     run = tmp_path / "bench" / "results" / name
     run.mkdir(parents=True)
     (run / "GPU-shapes-loopback.json").write_text(json.dumps(records))
+  (tmp_path / "bench" / "results" / "shapes-runs.txt").write_text(
+      "round-a/x/GPU-shapes-loopback.json\nround-b/y/GPU-shapes-loopback.json\n")
   plt, ax = unittest.mock.MagicMock(), unittest.mock.MagicMock()
   plt.subplots.return_value = (unittest.mock.MagicMock(), ax)
   monkeypatch.setitem(sys.modules, "matplotlib", unittest.mock.MagicMock(pyplot=plt))

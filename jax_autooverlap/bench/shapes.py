@@ -4,6 +4,8 @@ loopback on one GPU in one command.
     python -m jax_autooverlap.bench shapes --loopback [--filter F ...] [--max-shapes N] [--list]
         [--skip-measured JSON ...]   (leave out what earlier runs measured)
     python -m jax_autooverlap.bench shapes --loopback --table-from JSON ...   (one table of runs)
+    python -m jax_autooverlap.bench shapes --loopback --table-from bench/results/shapes-runs.txt
+        (the committed table: the runs that list names, in the order they override each other)
 
 The list is package data (data/llm_shapes.json), so an installed benchmark finds it.  Its
 `models` are the published dimensions (hidden, intermediate, heads, KV heads, head size; for
@@ -175,14 +177,15 @@ def table_rows(records: list[dict]) -> list[tuple]:
       continue
     gemm = impls.get("gemm_alone", {}).get("median_ms", nan)
     ratio = lambda impl: impls[impl]["median_ms"] / gemm if impl in impls else nan
+    cell = lambda x, digits=3: "-" if math.isnan(x) else f"{x:.{digits}f}"  # not measured
     ours = ratio("ours")
     goal = target(gemm)
     met = "-" if math.isnan(ours) else ("yes" if ours <= goal else "no")
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"])) if "gemm_alone" in impls else "-"
     floor = link_floor_ms(impls["gemm_alone"], gemm) / gemm if "gemm_alone" in impls else nan
-    rows.append((model, proj, op, w, shape, local, f"{gemm:.4f}", f"{ours:.3f}",
+    rows.append((model, proj, op, w, shape, local, cell(gemm, 4), cell(ours),
                  kernel_name(op, impls["ours"]) if "ours" in impls else "-",
-                 f"{ratio('engine_alone'):.3f}", f"{ratio('ours_tl'):.3f}", f"{floor:.2f}",
+                 cell(ratio("engine_alone")), cell(ratio("ours_tl")), cell(floor, 2),
                  f"{goal:.2f}", met, bound_by(ours, best_engine(impls, gemm), floor, goal)))
   return rows
 
@@ -202,16 +205,35 @@ def entry_key(r) -> tuple:
   return (r["model"], r["projection"], r["op"], r["m"], r["k"], r["n"], r["world_size"])
 
 
-def read_records(paths) -> list[dict]:
+def listed_runs(manifest) -> list[pathlib.Path]:
+  """The record files a manifest names, one per line relative to its directory, in the order
+  they override each other ('#' starts a comment): bench/results/shapes-runs.txt names the
+  runs of the committed table."""
+  manifest = pathlib.Path(manifest)
+  lines = (line.split("#", 1)[0].strip() for line in manifest.read_text().splitlines())
+  return [manifest.parent / line for line in lines if line]
+
+
+def read_records(paths, dtype: str | None = None) -> list[dict]:
   """The records of several runs' JSON files, in list order (entries not in the list last).
-  Where two files hold an entry's timed records (or its engine-alone ones), the later file's."""
+  Where two files hold an entry's timed records (or its engine-alone ones), the later file's.
+  Only `dtype`'s records where it is given; else the files must hold one operand dtype (an
+  entry is the same shape in every dtype: a bf16 and an fp8 run would replace each other's)."""
   latest: dict[tuple, dict[bool, list]] = {}
+  files_of: dict[str, dict] = {}
   for path in paths:
     mine: dict[tuple, list] = {}
     for r in json.loads(pathlib.Path(path).read_text()):
+      if dtype is not None and r["dtype"] != dtype:
+        continue
+      files_of.setdefault(r["dtype"], {})[str(path)] = None  # (an ordered set)
       mine.setdefault((entry_key(r), r["impl"] == "engine_alone"), []).append(r)
     for (key, alone), rs in mine.items():
       latest.setdefault(key, {})[alone] = rs
+  if len(files_of) > 1:
+    raise ValueError("records of several operand dtypes, a table holds one: " + "; ".join(
+        f"{d} in {len(files)} file{'s' * (len(files) > 1)} ({next(iter(files))}"
+        f"{', ...' * (len(files) > 1)})" for d, files in files_of.items()))
   order = {entry_key(e): i for i, e in enumerate(load())}
   keys = sorted(latest, key=lambda k: order.get(k, len(order)))
   return [r for k in keys for alone in (False, True) for r in latest[k].get(alone, [])]
@@ -220,9 +242,11 @@ def read_records(paths) -> list[dict]:
 def format_table(records: list[dict]) -> str:
   rows = [HEAD] + [tuple(map(str, r)) for r in table_rows(records)]
   widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
-  lines = ["Shape list in loopback (one GPU as rank 0 of each group), device time per call; "
-           "ratios to cuBLAS on the same local GEMM; floor: the overlap floor on a node, "
-           "max(local GEMM, bytes from the peers at the copy-engine rate)"]
+  dtypes = sorted({r["dtype"] for r in records})
+  lines = [f"Shape list in loopback, {' and '.join(dtypes) or 'no'} operands (one GPU as rank 0 "
+           "of each group), device time per call; ratios to cuBLAS on the same local GEMM; "
+           "floor: the overlap floor on a node, max(local GEMM, bytes from the peers at the "
+           "copy-engine rate); -: not measured"]
   lines += ["  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows]
   done = [r for r in table_rows(records) if r[-2] in ("yes", "no")]
   bounds = collections.Counter(r[-1] for r in done if r[-2] == "no")
@@ -274,12 +298,13 @@ def parser() -> argparse.ArgumentParser:
                   help="seconds: start no entry after this long (the table of what ran is "
                        "still printed)")
   ap.add_argument("--skip-measured", nargs="+", default=[], metavar="JSON",
-                  help="skip the entries these *-shapes-loopback.json files already hold "
-                       "(a list measured over several runs)")
+                  help="skip the entries these *-shapes-loopback.json files already hold in "
+                       "--dtype (a list measured over several runs)")
   ap.add_argument("--table-from", nargs="+", default=[], metavar="JSON",
                   help="run nothing: print the table of these record files "
-                       "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs; "
-                       "one row per entry, in list order, the latest run's where two hold it)")
+                       "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs, "
+                       "all of one dtype; one row per entry, in list order, the latest run's "
+                       "where two hold it); a .txt names such files (listed_runs)")
   from jax_autooverlap.bench.loopback.cli import add_variant_arguments
   add_variant_arguments(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
@@ -306,11 +331,19 @@ def main(argv=None) -> int:
   from jax_autooverlap.bench.loopback.cli import parse_movers, parse_variants
   movers, extra = parse_movers(args.movers), parse_variants(args.variant)
   if args.table_from:
-    print(format_table(read_records(args.table_from)))
+    paths = [q for p in args.table_from
+             for q in (listed_runs(p) if p.endswith(".txt") else [pathlib.Path(p)])]
+    try:
+      records = read_records(paths)
+    except ValueError as e:
+      print(f"bench shapes --table-from: {e}", file=sys.stderr)
+      return 2
+    print(format_table(records))
     return 0
   entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
   if args.skip_measured:
-    done = {entry_key(r) for r in read_records(args.skip_measured) if r["impl"] != "engine_alone"}
+    done = {entry_key(r) for r in read_records(args.skip_measured, args.dtype)
+            if r["impl"] != "engine_alone"}
     left = [e for e in entries if entry_key(e) not in done]
     log(f"{len(entries) - len(left)} of {len(entries)} selected entries already measured "
         f"({', '.join(args.skip_measured)}): skipped")
