@@ -255,6 +255,26 @@ def test_small_shape_variants_match_unfused(label_case_name):
   assert res["bit_identical_repeat"], res
 
 
+@pytest.mark.parametrize("op,shape,world", [("ag", (128, 4096, 6144), 8), ("rs", (128, 4096, 4096), 8),
+                                            ("ag", (1024, 8192, 10240), 2)],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_tl_variants_alone_in_a_group_of_one_match_unfused(op, shape, world):
+  """The benchmark's engine_alone_tl: every tl variant of the case run alone (cli.alone_case,
+  alone_config: no peers) computes the local GEMM, poisoned output first, and again bit for
+  bit."""
+  from jax_autooverlap.runtime import cuda
+  case = lb.Case(op, *shape, world=world)
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  one = lb.alone_case(case)
+  loop = lb.Loopback(one, GPUS[0], seed=sum(shape))
+  configs = {lb.alone_config(case, c) for c in lb.fused_variants(case, GPUS[0].device_kind,
+                                                                  ["tl"], sms).values()}
+  assert configs - {None}
+  for cfg in configs - {None}:
+    res = loop.check(lb.fused_program(one, cfg, sms, poison=True))
+    assert res["rel_err"] <= 2e-2 and res["bit_identical_repeat"], (cfg, res)
+
+
 def test_loopback_benchmark_writes_records(tmp_path):
   rc = lb.main(["rs", "--loopback", "--shapes", "1024x2048x1024", "--rounds", "2", "--calls", "3",
                 "--out", str(tmp_path)])
@@ -276,9 +296,13 @@ def test_loopback_benchmark_in_a_group_of_8_writes_its_world(tmp_path):
   (path,) = tmp_path.glob("*-ag-w8-loopback.json")
   import json
   records = json.loads(path.read_text())
-  assert {"gemm_alone", "ours", "ours_tl"} <= {r["impl"] for r in records}
+  assert {"gemm_alone", "ours", "ours_tl", "engine_alone_tl"} <= {r["impl"] for r in records}
   for r in records:
     assert r["world_size"] == 8 and r["local_gemm"] == [1024, 2048, 256]
+  (alone,) = [r for r in records if r["impl"] == "engine_alone_tl"]
+  (tl,) = [r for r in records if r["impl"] == "ours_tl"]
+  assert alone["alone_world"] == 1 and alone["rel_err"] <= 2e-2 and alone["bit_identical_repeat"]
+  assert alone["kernel"] == {**tl["kernel"], "pack_shards": False}
 
 
 @pytest.mark.skipif("gluon" not in ENGINES, reason="the timeline is the Gluon kernels'")

@@ -525,3 +525,25 @@ def test_own_round_experiment_compiles(monkeypatch, tmp_path, mode):
   assert ("cp.async.bulk.tensor" in ptx) == (mode != "ldg")
   assert ("ld.global.cg" in ptx) == (mode == "ldg")
   _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("op,shape", [("ag", (128, 4096, 6144)), ("rs", (128, 4096, 4096))],
+                         ids=["ag-128x4096x6144", "rs-128x4096x4096"])
+def test_tl_variants_alone_compile_in_a_group_of_one(op, shape):
+  """The loopback benchmark's engine_alone_tl programs (cli.alone_case, alone_config: every tl
+  variant of a TP 8 M = 128 entry in a group of one) build for sm_90: set-up kernel, then the
+  tl kernel with one address pair and its split-K partials."""
+  from jax_autooverlap.bench import loopback as lb
+  case = lb.Case(op, *shape, world=8)
+  one = lb.alone_case(case)
+  configs = {lb.alone_config(case, c)
+             for c in lb.fused_variants(case, "NVIDIA H200", ["tl"], 132).values()} - {None}
+  assert any(c.split_k > 1 for c in configs)  # the packed variants' splits, unpacked
+  specs = (jax.ShapeDtypeStruct(one.a_shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct(one.b_shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct((4,), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
+  for cfg in configs:
+    program = lb.fused_program(one, cfg, 132, compute_capability=90)
+    assert jax.eval_shape(program, *specs).shape == one.out_shape  # all of the local GEMM's rows
+    jax.export.export(program, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)

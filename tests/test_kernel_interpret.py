@@ -62,6 +62,12 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 2, 1, 64, 128, 64, 4096, 256, 0, 0, 0, 0, 8),
     ("ag", 8, 2, 64, 64, 128, 2048, 128, 0, 0, 1, 5, 8),
     ("ag", 4, 2, 128, 64, 64, 4096, 128, 0, 0, 1, 0, 4),
+    # a group of one (the benchmark's tl kernel alone, bench/loopback/cli.alone_case): no peers;
+    # the local GEMM of Llama-3-8B Q/K/V at TP 8, M = 128 with its packed config's tiles, split
+    # and 32 movers; GEMM+RS split 4; ragged rows without split
+    ("ag", 1, 8, 128, 128, 128, 4096, 768, 0, 0, 0, 0, 32),
+    ("rs", 1, 4, 64, 256, 128, 2048, 512),
+    ("ag", 1, 1, 64, 128, 200, 1024, 384),
 ]
 
 

@@ -72,8 +72,8 @@ def test_case_rejects_shapes_the_group_cannot_split():
     fixture.Case("rs", 4100, 4096, 8192, world=8)
   with pytest.raises(ValueError, match="op='xx'"):
     fixture.Case("xx", 2, 2, 2)
-  with pytest.raises(ValueError, match="world=1"):
-    fixture.Case("ag", 2, 2, 2, world=1)
+  with pytest.raises(ValueError, match="world=0"):
+    fixture.Case("ag", 2, 2, 2, world=0)
 
 
 def _pieces(case):
@@ -247,17 +247,44 @@ def test_table_and_records():
   records = [dict(base, impl="gemm_alone", median_ms=0.2),
              dict(base, impl="ours", median_ms=0.21, engine="gluon"),
              dict(base, impl="ours_tl", median_ms=0.25, engine="tl"),
-             dict(base, impl="engine_alone", median_ms=0.205, engine="gluon")]
+             dict(base, impl="engine_alone", median_ms=0.205, engine="gluon"),
+             dict(base, impl="engine_alone_tl", median_ms=0.22, engine="tl", alone_world=1)]
   table = cli.format_table("rs", records)
   row = table.splitlines()[-1].split()
   assert row[:7] == ["4096x8192x8192", "4096x4096x8192", "0.2000", "0.2100", "gluon", "0.2500",
                      "0.2050"]
-  assert row[7:10] == ["1.050", "1.250", "1.025"]
+  assert row[7:11] == ["1.050", "1.250", "1.025", "1.100"]  # ... the tl kernel alone: 1.1 x
+  assert "tl alone/gemm" in table.splitlines()[1]
   json.dumps(records)
   records[1]["kernel"] = {"engine": "gluon", "wg_partitions": True}  # the partitioned GEMM+RS
   assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon_wg"
   records[1]["kernel"] = {"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 3}
   assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "tl-64x128-k3"
+
+
+def test_a_tl_variant_alone_is_its_config_on_the_local_gemm_in_a_group_of_one():
+  """engine_alone_tl: the tl kernel with the fastest tl variant's tiles, split and movers on the
+  same local GEMM in a group of one (no peers, no pushes): packed shards unpacked (one shard
+  per tile), the same tile count where the packed shards filled the tiles."""
+  from jax_autooverlap.tuning import select
+  from jax_autooverlap.tuning.config import KernelConfig
+  case = fixture.Case("ag", 128, 4096, 6144, world=8)  # Llama-3-8B Q/K/V, TP 8, M = 128
+  one = cli.alone_case(case)
+  assert (one.world, one.local_gemm, one.a_shape, one.b_shape) == (
+      1, case.local_gemm, (128, 4096), case.b_shape)
+  assert one.out_shape == case.out_shape and one.piece_shape == one.a_shape
+  rs = fixture.Case("rs", 128, 4096, 4096, world=8)
+  assert (cli.alone_case(rs).a_shape, cli.alone_case(rs).out_shape) == ((128, 512), (128, 4096))
+  packed = KernelConfig(engine="tl", block_m=128, block_n=128, num_warps=8, split_k=8,
+                        pack_shards=True, num_comm=32)
+  alone = cli.alone_config(case, packed)
+  assert alone == dataclasses.replace(packed, pack_shards=False)
+  assert select.fused_tiles(1, 128, 768, alone) == select.fused_tiles(8, 16, 768, packed) == 6
+  # a group of one with no room for its split's parts: not run, said why
+  assert cli.alone_config(case, dataclasses.replace(packed, split_k=128)) is None
+  with pytest.raises(ValueError, match="world=0 must be an int >= 1"):
+    fixture.Case("ag", 128, 4096, 6144, world=0)
+  assert fixture.rank0_workspace(one, []).size == fixture.workspace_bytes(one)
 
 
 def test_parse_args_requires_loopback_flag():

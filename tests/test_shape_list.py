@@ -139,14 +139,14 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert 300 < link_gbps < 478  # between NCCL's and NVLink's peak (shared/DESIGN.md)
   floor = 7 * 1024 * 4096 * 2 / (link_gbps * 1e9) / 0.1e-3
   assert rows[0] == ("llama3-8b", "qkv", "ag", 8, "8192x4096x6144", "8192x4096x768", "0.1000",
-                     "1.080", "gluon-128x128-m64", "1.040", "1.300", f"{floor:.2f}", "1.10", "yes",
-                     "-")
+                     "1.080", "gluon-128x128-m64", "1.040", "1.300", "-", f"{floor:.2f}", "1.10",
+                     "yes", "-")
   # below 20 us of GEMM the target is 1.25; no engine-alone or tl record: "-" (not measured);
   # 16-row shards move in less time than the GEMM: the floor is the GEMM
   assert rows[1][4:] == ("128x4096x6144", "128x4096x768", "0.0100", "1.240", "tl-64x128-k4", "-",
-                         "-", "1.00", "1.25", "yes", "-")
+                         "-", "-", "1.00", "1.25", "yes", "-")
   assert rows[2] == ("qwen2-72b", "down", "rs", 8, "8192x29568x8192", "-", "-", "-",
-                     "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-", "-")
+                     "K=3696 must be a multiple of 64", "-", "-", "-", "-", "-", "-", "-")
   # RS: the peers' partials of this GPU's rows (bf16 for fp8 operands too); a kind without a
   # cost model has no floor
   rs = dict(base, op="rs", k=1024 * 8, n=8192, dtype="float8_e4m3fn")
@@ -167,6 +167,17 @@ def test_table_has_a_row_per_entry_with_ratios_target_and_reasons():
   assert shapes.table_rows(small_rows)[0][9] == "1.300"
   assert shapes.table_rows(small_rows)[0][-1] == "fused"  # 64x128 alone: 1.2 x
   small_rows[2]["tiles_ms"]["64x128"] = 0.0126
+  assert shapes.table_rows(small_rows)[0][-1] == "engine"
+  # ours on tl: the Gluon engine alone says nothing of it (here the tl kernel is the faster);
+  # its own kernel alone, in a group of one, decides
+  small_rows[1] = dict(small, impl="ours", median_ms=0.0128, engine="tl",
+                       kernel={"engine": "tl", "block_m": 128, "block_n": 128, "split_k": 8,
+                               "pack_shards": True})
+  assert shapes.table_rows(small_rows)[0][-1] == "?"
+  small_rows.append(dict(small, impl="engine_alone_tl", median_ms=0.0121, engine="tl"))
+  assert shapes.table_rows(small_rows)[0][9:12] == ("1.300", "-", "1.210")
+  assert shapes.table_rows(small_rows)[0][-1] == "fused"  # alone within 1.25: the fused part
+  small_rows[-1]["median_ms"] = 0.0127
   assert shapes.table_rows(small_rows)[0][-1] == "engine"
   assert shapes.format_table(records).splitlines()[-1] == (
       "target met on 1 of 2 measured entries; bound by link: 1")

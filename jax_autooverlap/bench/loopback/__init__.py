@@ -30,7 +30,12 @@ Contestants (programs.py), run interleaved (rounds of back-to-back calls of each
               local work, with the tiles of the fastest Gluon variant: what the fused
               kernel costs over its engine
               (in the table; its records go to *-engine-alone.json with mode "engine",
-              so the *-loopback.json records are gemm_alone, ours and ours_tl)
+              so the *-loopback.json records are gemm_alone, ours, ours_tl and
+              engine_alone_tl)
+  engine_alone_tl  ours_tl's kernel alone: its config on the same local GEMM in a
+              group of one (cli.alone_case, alone_config: its tiles, split and
+              movers, no peers, nothing pushed), so the tl kernel's GEMM and
+              per-call costs against what its communication adds
 Times are device times of the contestant's kernels (bench/timing.py: jax.profiler,
 CUPTI), without the loopback set-up kernel: per round the mean per call, then the
 median over rounds (`round_ms` keeps every round: the spread, e.g. under the
@@ -40,10 +45,12 @@ against the unfused computation (jnp on the same GPU): its output, and what
 it pushed into each peer's buffer; a wrong one is reported and not timed.
 The records' fields: bench/records/README.md.
 """
-from jax_autooverlap.bench.loopback.cli import (bench_case, fused_variants, kernel_configs, main,
-                                                trace_case, variant_name)
+from jax_autooverlap.bench.loopback.cli import (alone_case, alone_config, bench_case,
+                                                fused_variants, kernel_configs, main, trace_case,
+                                                variant_name)
 from jax_autooverlap.bench.loopback.fixture import WORLD, Case, Loopback
 from jax_autooverlap.bench.loopback.programs import engine_program, fused_program, gemm_program
 
 __all__ = ["WORLD", "Case", "Loopback", "fused_program", "engine_program", "gemm_program",
-           "kernel_configs", "fused_variants", "variant_name", "bench_case", "trace_case", "main"]
+           "kernel_configs", "fused_variants", "variant_name", "bench_case", "trace_case", "main",
+           "alone_case", "alone_config"]

@@ -177,12 +177,37 @@ def explicit_variant(case: Case, configs: dict, engine: str, fields: dict):
   return cfg
 
 
+def alone_case(case: Case) -> Case:
+  """The case's local GEMM in a group of one: the same operands' shapes, no peers."""
+  m, k, n = case.local_gemm
+  return dataclasses.replace(case, m=m, k=k, n=n, world=1, spare=0)
+
+
+def alone_config(case: Case, cfg):
+  """The tl config `cfg` of `case` run alone (alone_case): its tiles, split and movers, the
+  shards unpacked (a group of one has one shard); None, after saying why, where the kernel
+  cannot run it so."""
+  from jax_autooverlap.tuning import select
+  one = alone_case(case)
+  _, k, n = one.local_gemm
+  cfg = dataclasses.replace(cfg, pack_shards=False)
+  why = (select.unsupported(one.m, k, n, np_dtype(one.dtype), np_dtype(one.out_dtype), cfg,
+                            one.op)
+         or select.split_k_unsupported(cfg, select.fused_tiles(1, one.m, n, cfg), k))
+  if why:
+    log(f"{case.op} {case.label}: {variant_name(cfg)} alone skipped: {why}")
+    return None
+  return cfg
+
+
 def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None,
                first_call: bool = False, extra=()) -> list[dict]:
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
   its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
   engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant; its
-  `tiles_ms`: the engine alone with each Gluon variant's tiles)."""
+  `tiles_ms`: the engine alone with each Gluon variant's tiles), engine_alone_tl (ours_tl's
+  kernel alone: its config in a group of one, alone_config: the local GEMM, its tiles' and the
+  call's own costs, no communication)."""
   import jax
   from jax_autooverlap.runtime import cuda
   t0 = time.monotonic()
@@ -192,7 +217,15 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call,
                             extra)
   programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
-  common.warm_compiles((p, lb.fused_args()) for p in programs.values())  # Triton, XLA: threads
+  # each tl variant alone (one run per distinct config), on operands of its own
+  alone = {name: alone_config(case, cfg) for name, cfg in variants.items() if cfg.engine == "tl"}
+  alone = {name: cfg for name, cfg in alone.items() if cfg is not None}
+  alone_runs = {cfg: f"tl_alone-{i}-{variant_name(cfg)}"  # (configs may differ in chunks only)
+                for i, cfg in enumerate(dict.fromkeys(alone.values()))}
+  lb1 = Loopback(alone_case(case), device) if alone else None
+  alone_programs = {cfg: fused_program(lb1.case, cfg, num_sms) for cfg in alone_runs}
+  common.warm_compiles([(p, lb.fused_args()) for p in programs.values()]
+                       + [(p, lb1.fused_args()) for p in alone_programs.values()])  # threads
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
   engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
   for name, cfg in variants.items():
@@ -223,6 +256,16 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
         f" ({time.monotonic() - t0:.1f} s: compile, reference, two calls)")
     if ok:
       contestants[name] = (program, lb.fused_args(), kernel_names(cfg.engine, case.op))
+  for cfg, name in alone_runs.items():
+    try:
+      checks[name] = lb1.check(alone_programs[cfg])
+    except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+      log(f"{case.op} {case.label} {name} failed: {type(e).__name__}: {str(e)[:400]}")
+      continue
+    ok = checks[name]["rel_err"] <= tol and checks[name]["bit_identical_repeat"]
+    log(f"{case.op} {case.label} {name}: {checks[name]} -> {'ok' if ok else 'WRONG, not timed'}")
+    if ok:
+      contestants[name] = (alone_programs[cfg], lb1.fused_args(), kernel_names("tl", case.op))
   with timing.ClockSampler() as clocks:
     timed = timing.time_interleaved(contestants, rounds, calls)
   fastest = lambda names: min(names, key=lambda e: timed[e][0]) if names else None
@@ -234,6 +277,11 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
                          "kernel": dataclasses.asdict(variants[e])}
   if tl is not None:
     records.append(("ours_tl", timed[tl], described(tl)))
+    run = alone_runs.get(alone.get(tl))
+    if run in timed:
+      records.append(("engine_alone_tl", timed[run], {
+          "engine": "tl", "alone_world": 1, **checks[run],
+          "kernel": dataclasses.asdict(alone[tl])}))
   tiles = (variants[gluon].block_m, variants[gluon].block_n) if gluon else None
   if engine_tiles.get(tiles) in timed:
     records.append(("engine_alone", timed[engine_tiles[tiles]],
@@ -303,11 +351,12 @@ def format_table(op: str, records: list[dict]) -> str:
   lines = [f"{title} loopback (one GPU, world {worlds}), ms, device time per call (median)",
            "  ".join(f"{h:>16}" for h in ("shape MxKxN", "local GEMM", "gemm_alone", "ours",
                                            "engine", "ours_tl", "engine_alone", "ours/gemm",
-                                           "tl/gemm", "engine/gemm", "sm MHz min"))]
+                                           "tl/gemm", "engine/gemm", "tl alone/gemm",
+                                           "sm MHz min"))]
   nan = {"median_ms": float("nan")}
   for (m, k, n), impls in by_shape.items():
-    g, o, t, e = (impls.get(i, nan)["median_ms"]
-                  for i in ("gemm_alone", "ours", "ours_tl", "engine_alone"))
+    g, o, t, e, t1 = (impls.get(i, nan)["median_ms"] for i in (
+        "gemm_alone", "ours", "ours_tl", "engine_alone", "engine_alone_tl"))
     local = "x".join(map(str, impls["gemm_alone"]["local_gemm"]))
     clock = impls["gemm_alone"].get("sm_clock_mhz_min", float("nan"))
     shape = f"{m}x{k}x{n}"
@@ -317,7 +366,7 @@ def format_table(op: str, records: list[dict]) -> str:
                             f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
                             f"{engine:>16}", f"{t:>16.4f}",
                             f"{e:>16.4f}", f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{e / g:>16.3f}",
-                            f"{clock:>16.0f}"]))
+                            f"{t1 / g:>16.3f}", f"{clock:>16.0f}"]))
   return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """The loopback fixture: rank 0 of a group of `world` GPUs and its world - 1 peers, all on one
 GPU.  The peers' data and arrival counters are already in place in rank 0's workspace (what
 the other GPUs would have pushed), and a workspace per peer (one device buffer, the peers'
-workspaces back to back) absorbs rank 0's pushes.
+workspaces back to back) absorbs rank 0's pushes.  A group of one (world 1) has no peers: the
+fused kernel's GEMM and its own per-call costs alone (cli.alone_case).
 
 fp8 cases (dtype float8_e4m3fn / float8_e5m2): the operands are fp8, b is stored K-major
 ([N, K]: what the fp8 kernels and cuBLASLt's fp8 GEMM read), the output and RS partials are
@@ -35,8 +36,8 @@ class Case:
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
       raise ValueError(f"op={self.op!r} must be 'ag' or 'rs'")
-    if not isinstance(self.world, int) or self.world < 2:
-      raise ValueError(f"world={self.world!r} must be an int >= 2")
+    if not isinstance(self.world, int) or self.world < 1:
+      raise ValueError(f"world={self.world!r} must be an int >= 1")
     if not isinstance(self.spare, int) or self.spare < 0:
       raise ValueError(f"spare={self.spare!r} must be an int >= 0")
     split = {"ag": ("m", "n"), "rs": ("m", "k")}[self.op]
@@ -262,14 +263,16 @@ class Loopback:
       pushed = read_workspace(peer_ws, off, case.piece_shape, np_dtype(case.piece_dtype))
       push_errs.append(rel_err(pushed, want))
     again = np.asarray(program(a, self.b, self.table, self.rank))
-    return {"rel_err": rel_err(got, want_out), "push_rel_err": max(push_errs),
+    return {"rel_err": rel_err(got, want_out),
+            "push_rel_err": max(push_errs, default=0.0),  # (a group of one pushes nothing)
             "bit_identical_repeat": bool(np.array_equal(again, got))}
 
   def _zeros_peers(self):
     """The peers' workspaces, zeroed, back to back in one buffer."""
     import jax
     import jax.numpy as jnp
-    nbytes = (self.case.world - 1) * peer_stride(self.case)
+    # a group of one: an unread page, so that the buffer has an address
+    nbytes = max((self.case.world - 1) * peer_stride(self.case), PEER_ALIGN)
     return jax.device_put(jnp.zeros((nbytes,), jnp.uint8), self.device)
 
   def fused_args(self):
