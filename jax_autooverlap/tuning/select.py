@@ -217,6 +217,13 @@ def tile_warps(engine: str, block_m: int, block_n: int) -> int:
   return 8 if block_m * block_n >= 64 * 256 else 4
 
 
+def split_parts(cfg: KernelConfig, tiles: int, k: int, num_sms: int = NUM_SMS) -> int:
+  """The split-K parts of `tiles` output tiles with K = k: as many as one wave of the SMs holds,
+  at most SPLIT_K_MAX and a k-block each; 1 where the tiles fill the SMs.  More parts than one
+  wave did not pay at M = 128 (sixteenth round: the time there is the call's fixed cost)."""
+  return max(1, min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k)))
+
+
 def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: KernelConfig,
                    num_sms: int = NUM_SMS) -> list[KernelConfig]:
   """`tl` with the shards (AG) or owners' rows (GEMM+RS) packed into the row tiles
@@ -231,10 +238,9 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
     if packed_unsupported(cfg, shard_rows, n, op):
       continue
     tiles = fused_tiles(world, shard_rows, n, cfg)
-    split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
-    if tiles > split_counters(cfg):  # too many tiles to count their parts: whole tiles
-      split = 1
-    out.append(dataclasses.replace(cfg, split_k=max(split, 1)))
+    # whole tiles where there are too many to count their parts
+    split = split_parts(cfg, tiles, k, num_sms) if tiles <= split_counters(cfg) else 1
+    out.append(dataclasses.replace(cfg, split_k=split))
   return out
 
 
@@ -272,9 +278,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
                                 num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                                 split_k=1)
       tiles = fused_tiles(world, shard_rows, n, cfg)
-      split = min(SPLIT_K_MAX, num_sms // tiles, math.ceil(k / cfg.block_k))
-      cfg = dataclasses.replace(cfg, split_k=max(split, 1))
-      if split >= 2 and tiles <= cost_model.MAX_CHUNKS and fits(cfg):
+      cfg = dataclasses.replace(cfg, split_k=split_parts(cfg, tiles, k, num_sms))
+      if cfg.split_k >= 2 and tiles <= split_counters(cfg) and fits(cfg):
         out.append(cfg)
         break
   if "tl" in engines:
