@@ -281,17 +281,20 @@ def test_runs_of_several_dtypes_make_no_table_and_skip_only_their_own_entries(tm
     assert out[-1] == f"{left} entries"
 
 
-def test_the_committed_table_is_what_its_runs_give():
-  """bench/results/shapes-runs.txt names the runs of the newest committed all-measured table:
-  each file exists and holds bf16 records, and the table built from them is that file."""
+@pytest.mark.parametrize("manifest,table,dtype", [
+    ("shapes-runs.txt", "shapes-table-all-measured.txt", "bfloat16"),
+    ("shapes-runs-fp8.txt", "shapes-table-fp8-all-measured.txt", "float8_e4m3fn")])
+def test_the_committed_tables_are_what_their_runs_give(manifest, table, dtype):
+  """bench/results/shapes-runs*.txt name the runs of the newest committed all-measured tables
+  (bf16, fp8): each file exists and holds that dtype's records, and the table built from them
+  is that file."""
   import pathlib
   results = pathlib.Path(__file__).parents[1] / "bench" / "results"
-  runs = shapes.listed_runs(results / "shapes-runs.txt")
+  runs = shapes.listed_runs(results / manifest)
   assert runs and all(p.exists() for p in runs)
-  newest = sorted(results.glob("round-*/shapes-table-all-measured.txt"))[-1]
-  table = newest.read_text().rstrip("\n")
-  assert shapes.format_table(shapes.read_records(runs, "bfloat16")) == table
-  assert shapes.format_table(shapes.read_records(runs)) == table
+  newest = sorted(results.glob(f"round-*/{table}"))[-1].read_text().rstrip("\n")
+  assert shapes.format_table(shapes.read_records(runs, dtype)) == newest
+  assert shapes.format_table(shapes.read_records(runs)) == newest
 
 
 def test_a_run_cut_short_keeps_every_measured_entry_engine_alone_too(tmp_path):
