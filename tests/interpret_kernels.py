@@ -204,7 +204,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
     else:
       gemm_rs_kernel[(num_ctas,)](
           *_operand_descs(a, b, cfg), Host(table_out), Host(rank_arg), Host(out), Host(partials),
-          Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
+          Host(np.zeros(4, np.int64)), Host(scratch), M=rows, K=kk, N=cols, SPLIT_K=split_k, SPLIT_FROM=first_split,
           PACK=pack(cfg, "rs", rows // world, cols), **consts)
     err = np.abs(out.astype(np.float32) - want_out).max() / np.abs(want_out).max()
     if err > 1e-2:

@@ -14,7 +14,7 @@ with e5m2 x e4m3 operands (the backward's); every other config a first-call meas
 time (`candidate_configs`: the fixed candidates of each group size, the shipped cost models'
 ranked configs at the group sizes they were fit on), at its group size, the large shape; the
 Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs); the timeline
-builds (trace=True); the loopback set-up kernel; and every config that an entry of the
+builds (trace=True: the Gluon kernels' and the tl kernels'); the loopback set-up kernel; and every config that an entry of the
 benchmark's shape list selects for small shapes (select.small_shape_configs: narrower tiles on
 both engines, split-K on tl), at the first entry that selects it.
 
@@ -219,6 +219,14 @@ def cases():
   for cfg in (gcfg, dataclasses.replace(gcfg, wg_partitions=True)):
     yield (f"rs-bfloat16-{_cfg_name(cfg)}-world2-large-trace",
            *fused("rs", bf16, cfg, 2, SHAPES["rs"]["large"], gluon.launch_gemm_rs, trace=True))
+  # the tl kernels' (kernels/tl_trace.py), on packed split-K configs at TP 8, M = 128
+  tl_packed = KernelConfig(engine="tl", block_m=64, block_n=256, num_warps=8, pack_shards=True,
+                           split_k=8, num_comm=32)
+  yield (f"ag-bfloat16-{_cfg_name(tl_packed)}-world8-m128-trace",
+         *fused("ag", bf16, tl_packed, 8, (16, 8192, 1280), return_gathered=False, trace=True))
+  tl_packed = dataclasses.replace(tl_packed, block_m=128, block_n=128, split_k=4)
+  yield (f"rs-bfloat16-{_cfg_name(tl_packed)}-world8-m128-trace",
+         *fused("rs", bf16, tl_packed, 8, (128, 1792, 4096), trace=True))
 
   from jax_autooverlap.bench import loopback as lb
   from jax_autooverlap.bench.loopback import programs

@@ -351,6 +351,32 @@ def test_traced_tl_ag_computes_what_the_plain_one_does():
   assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(80))
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-split4-w8", "w2"])
+def test_traced_tl_rs_computes_what_the_plain_one_does(packed):
+  """--trace with a tl GEMM+RS --variant (kernels/tl_trace.py): the same output bit for bit as
+  the plain build, and a timeline row for every work unit: Llama-3-8B down at TP 8, 128 tokens,
+  owners' rows packed and split in 4 (32 column tiles x 4 parts), and an unpacked group of 2
+  (2 owners x 2 row tiles x 4 column tiles)."""
+  from jax_autooverlap.bench import timeline
+  from jax_autooverlap.runtime import cuda
+  from jax_autooverlap.runtime.errors import check_errors
+  from jax_autooverlap.tuning.config import KernelConfig
+  if packed:
+    case, units = lb.Case("rs", 128, 14336, 4096, world=8), 128
+    cfg = KernelConfig(engine="tl", block_m=128, block_n=128, num_warps=8, pack_shards=True,
+                       split_k=4, num_comm=32)
+  else:
+    case, units = lb.Case("rs", 512, 1024, 1024, world=2), 16
+    cfg = KernelConfig(engine="tl", block_m=128, block_n=256, num_warps=8)
+  loop = lb.Loopback(case, GPUS[0], seed=13)
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  plain = np.asarray(lb.fused_program(case, cfg, sms)(*loop.fused_args()))
+  out, trace = lb.fused_program(case, cfg, sms, trace=True)(*loop.fused_args())
+  check_errors()
+  np.testing.assert_array_equal(np.asarray(out), plain)
+  assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(units))
+
+
 @pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")
 @pytest.mark.parametrize("shape", SHAPES["rs"], ids=lambda s: "x".join(map(str, s)))
 def test_gluon_rs_with_warpgroup_partitions_matches_unfused(shape):

@@ -228,10 +228,11 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   _assert_no_spills(ptx, tmp_path)
 
 
-def test_tl_ag_builds_its_timeline_only_when_asked(monkeypatch, tmp_path):
-  """kernels/tl_trace.py: the tl AG+GEMM's trace build (a packed split-K config, as the split
-  sweep times it) reads %clock64 and %globaltimer and returns an int64 [ctas, 257, 4] timeline
-  (the plain builds have no clock reads: _check_engine); the tl GEMM+RS records none."""
+def test_tl_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path):
+  """kernels/tl_trace.py: the tl AG+GEMM's and GEMM+RS's trace builds (packed split-K configs,
+  as the split sweep times them) read %clock64 and %globaltimer and return an int64
+  [ctas, 257, 4] timeline without spilling (the plain builds have no clock reads:
+  _check_engine)."""
   from jax_autooverlap.backends import triton as backend
   from jax_autooverlap.bench import loopback as lb
   bf16, world = jnp.dtype(jnp.bfloat16), 8
@@ -249,9 +250,24 @@ def test_tl_ag_builds_its_timeline_only_when_asked(monkeypatch, tmp_path):
   ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
-  with pytest.raises(ValueError, match=r"the tl GEMM\+RS records no timeline"):
-    lb.fused_program(lb.Case("rs", 1024, 1024, 1024, dtype="bfloat16"), KernelConfig(), 132,
-                     compute_capability=90, trace=True)
+  # GEMM+RS: 16 rows per owner at TP 8 (Llama-3-8B down, M = 128), packed, split 4
+  rs_cfg = dataclasses.replace(cfg, block_m=128, block_n=128, split_k=4)
+  g = lambda a, b, table, rank: backend.launch_gemm_rs(
+      a, b, table, rank, world=world, kernel=rs_cfg, out_dtype=bf16, timeout_s=1.0, num_sms=132,
+      compute_capability=90, trace=True)
+  rs_specs = (jax.ShapeDtypeStruct((128, 1792), bf16), jax.ShapeDtypeStruct((1792, 4096), bf16),
+              *specs[2:])
+  out, timeline = jax.eval_shape(g, *rs_specs)
+  assert out.shape == (16, 4096) and timeline.dtype == np.int64
+  assert timeline.shape[1:] == (257, 4)
+  (tmp_path / "rs").mkdir()
+  ptx = _exported_ptx(monkeypatch, tmp_path / "rs", g, rs_specs)
+  assert "%clock64" in ptx and "%globaltimer" in ptx
+  _assert_no_spills(ptx, tmp_path)
+  # the loopback program builds it too (set-up kernel, then the traced kernel)
+  case = lb.Case("rs", 128, 8 * 1792, 4096, dtype="bfloat16", world=world)
+  program = lb.fused_program(case, rs_cfg, 132, compute_capability=90, trace=True)
+  assert jax.eval_shape(program, *rs_specs)[1].shape == timeline.shape
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -149,14 +149,14 @@ def ag_gemm(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, return_ga
 def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, out_dtype,
                    timeout_s: float, num_sms: int, op_id: int = 0,
                    compute_capability: int | None = None, poison: bool = False,
-                   workspace_bytes: int | None = None):
+                   workspace_bytes: int | None = None, trace: bool = False):
   """The kernel call itself: a[M, K], b[K, N] -> out[M / world, N] (summed over the group;
-  fp8 operands, workspace_bytes: as launch_ag_gemm)."""
+  fp8 operands, workspace_bytes, trace: as launch_ag_gemm)."""
   if kernel.engine == "gluon":  # warp-specialised Gluon kernel, same protocol (backends/gluon.py)
     return gluon.launch_gemm_rs(a, b, table_row, rank, world=world, kernel=kernel,
                                 out_dtype=out_dtype, timeout_s=timeout_s, num_sms=num_sms,
                                 op_id=op_id, compute_capability=compute_capability, poison=poison,
-                                workspace_bytes=workspace_bytes)
+                                workspace_bytes=workspace_bytes, trace=trace)
   jt = import_jax_triton()
   from jax_autooverlap.kernels.gemm_rs import gemm_rs_kernel
 
@@ -165,18 +165,18 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m_out, tm, tn, num_ctas, tiles = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   a_desc, b_desc = operand_descs(a, b, kernel)
-  out, _, _ = jt.triton_call(
+  out, _, timeline, _ = jt.triton_call(
       a_desc, b_desc, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
-      zeroed_outputs=(0,) if poison else (),
+      zeroed_outputs=((0,) if poison else ()) + ((2,) if trace else ()),
       out_type=(jax.ShapeDtypeStruct((m_out, n), out_dtype),
                 partials_type(kernel, tiles, k, "launch_gemm_rs"),
-                scratch_out_type(num_ctas)),
+                trace_out_type(num_ctas, trace), scratch_out_type(num_ctas)),
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, tiles),
-      PACK=pack(kernel, "rs", m_out, n),
+      PACK=pack(kernel, "rs", m_out, n), TRACE=trace,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
-  return out
+  return (out, timeline) if trace else out
 
 
 def gemm_rs(a, b, *, axis_name, mesh, kernel: KernelConfig, out_dtype, timeout_s: float,

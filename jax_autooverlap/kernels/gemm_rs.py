@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from jax_autooverlap._compat import lean_launch
-from jax_autooverlap.kernels import split_k
+from jax_autooverlap.kernels import split_k, tl_trace
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
                                           signal_add, table_address, wait_all_at_least,
                                           wait_at_least)
@@ -71,16 +71,18 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
 def gemm_rs_kernel(
     a_desc, b_desc, table_ptr, rank_ptr,  # inputs: host-made descriptors of a[M, K] and b[K, N]
                                           # (fp8: [N, K]), this GPU's partial operands
-    out_ptr, partials_ptr, scratch_ptr,  # outputs: [M / WORLD, N]; split_k.py's partials;
-                                         # scratch (_compat.lean_launch)
+    out_ptr, partials_ptr, trace_ptr, scratch_ptr,  # outputs: [M / WORLD, N]; split_k.py's
+                                                    # partials; tl_trace.py's timeline;
+                                                    # scratch (_compat.lean_launch)
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TILES_PER_CHUNK: tl.constexpr, NUM_CTAS: tl.constexpr, FLAGS_OFF: tl.constexpr,
     BUF_OFF: tl.constexpr, PARITY_BYTES: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     FLAG_BLOCK: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
-    SPLIT_FROM: tl.constexpr, PACK: tl.constexpr,
+    SPLIT_FROM: tl.constexpr, PACK: tl.constexpr, TRACE: tl.constexpr = False,
 ):
+  tl_trace.start(trace_ptr, TRACE)
   out_dtype = out_ptr.dtype.element_ty
   FP8: tl.constexpr = a_desc.dtype.is_fp8()
   rank = tl.load(rank_ptr)
@@ -118,14 +120,16 @@ def gemm_rs_kernel(
   TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_OWNER
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
+  nth = 0  # this CTA's units so far (the trace's row)
   if PACK > 1:
     while u < WORK:
       t, part = split_k.unit_tile(u, SPLIT_FROM, SPLIT_K)  # the tile, part of its k-blocks
       pt = t // TN
       tn = t % TN
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
       acc, finish = split_k.tile_part(a_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part, scale,
                                       partials_ptr, counters, SPLIT_FROM, K, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, SPLIT_K, FP8)
+                                      BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
       if finish:  # else another part of this tile finishes it
         rows = tl.arange(0, BLOCK_M)
         cols = tn * BLOCK_N + tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N),
@@ -157,6 +161,8 @@ def gemm_rs_kernel(
                              mask=own[:, None] & (cols[None, :] < N), other=0.0).to(tl.float32)
           tl.store(out_ptr + (r_out * N)[:, None] + cols[None, :], acc.to(out_dtype),
                    mask=own[:, None] & (cols[None, :] < N))
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
+      nth += 1
       u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   else:
     while u < WORK:
@@ -164,9 +170,11 @@ def gemm_rs_kernel(
       j, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
       owner = (rank + 1 + j) % WORLD
       row0 = owner * M_OUT + tm * BLOCK_M
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
       acc, finish = split_k.tile_part(a_desc, b_desc, row0, tn * BLOCK_N, t, part, scale,
                                       partials_ptr, counters, SPLIT_FROM, K,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8)
+                                      BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth,
+                                      TRACE)
       if pending != 0:
         signal_add(pending_flag, 1)
         pending = tl.full([], 0, tl.int32)
@@ -194,8 +202,11 @@ def gemm_rs_kernel(
                             TIMEOUT_NS)
               acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
           o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
+      tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
+      nth += 1
       u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   if pending != 0:
     signal_add(pending_flag, 1)
+  tl_trace.end(trace_ptr, TRACE)
 
   finish_call(header, my_flags, tile_counter, epoch, NUM_CTAS, WORLD * MAX_CHUNKS, FLAG_BLOCK)

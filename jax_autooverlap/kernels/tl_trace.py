@@ -1,13 +1,15 @@
-"""A per-unit timeline of the `tl` AG+GEMM kernel (kernels/ag_gemm.py), for the loopback
-benchmark's --trace with a tl --variant: where a small fused call's time goes.
+"""A per-unit timeline of the `tl` fused kernels (kernels/ag_gemm.py, gemm_rs.py), for the
+loopback benchmark's --trace with a tl --variant: where a small fused call's time goes.
 
 The layout is kernels/gluon_trace.py's (bench/timeline.py reads both): int64
 [num_ctas, 1 + SLOTS, 4].  Row 0 of a CTA: (%globaltimer, %clock64) at its start, then both
 again at its end.  Row 1 + j: the CTA's j-th work unit (a tile, or a part of a split tile:
 kernels/split_k.py), then %clock64 when its waits had passed (so a CTA's first row shows its
 pushes, its share of the own shard's copy and the wait for every source), when its main loop
-had finished, and when its epilogue (split-K's combine, the store) had.  Built in only with
-TRACE = 1.
+had finished, and when its epilogue (split-K's combine, the store) had.  GEMM+RS has no wait
+before a unit's main loop (its first stamp is when the unit was claimed); its epilogue is the
+push of the peers' rows or, for the own rows, the wait for every peer's partials and their sum.
+Built in only with TRACE = 1.
 """
 import triton
 import triton.language as tl

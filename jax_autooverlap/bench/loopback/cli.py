@@ -302,7 +302,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
 def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
                ) -> tuple[dict, dict]:
   """({contestant: summary}, {contestant: raw trace}) of the Gluon engine alone and the fused
-  Gluon kernel on this case (gluon: the config bench_case times), and of each tl AG --variant in
+  Gluon kernel on this case (gluon: the config bench_case times), and of each tl --variant in
   `extra` (parse_variants; "ours-<variant name>", kernels/tl_trace.py): the timeline of the
   last of `calls` calls (bench/timeline.py)."""
   import jax
@@ -325,7 +325,7 @@ def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
                                            out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
                             None)
     runs["ours"] = (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)
-  tl_variants = [fields for engine, fields in extra if engine == "tl"] if case.op == "ag" else []
+  tl_variants = [fields for engine, fields in extra if engine == "tl"]
   configs = kernel_configs(case, device.device_kind, ["tl"]) if tl_variants else {}
   for fields in tl_variants:
     tl_cfg = explicit_variant(case, configs, "tl", fields)

@@ -30,7 +30,7 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
   """jit(a, b, table, rank) -> rank 0's output in a group of case.world (ag with
   return_gathered: (output, gathered shards)): set-up kernel, then the fused kernel
   (compute_capability: compile-only checks on a machine without a GPU).  trace (both
-  engines' AG, the Gluon GEMM+RS): (output, the kernel's per-unit timeline).  poison (tests):
+  engines, both ops): (output, the kernel's per-unit timeline).  poison (tests):
   the outputs are zeroed before the kernel runs, so elements it fails to write show as
   zeros."""
   import functools
@@ -39,9 +39,6 @@ def fused_program(case: Case, kernel, num_sms: int, timeout_s: float = 10.0,
     from jax_autooverlap.backends import gluon as backend
   else:
     from jax_autooverlap.backends import triton as backend
-  if trace and kernel.engine == "tl" and case.op != "ag":
-    raise ValueError("fused_program: the tl GEMM+RS records no timeline (kernels/tl_trace.py "
-                     "is built into the tl AG+GEMM only)")
   if kernel is not None and kernel.wg_partitions and case.op != "rs":
     raise ValueError("fused_program: wg_partitions is built for GEMM+RS only")
   extra = dict(trace=True) if trace else {}
