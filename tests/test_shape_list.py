@@ -281,6 +281,32 @@ def test_runs_of_several_dtypes_make_no_table_and_skip_only_their_own_entries(tm
     assert out[-1] == f"{left} entries"
 
 
+def test_entries_with_an_unknown_bound_are_selected_from_the_runs(tmp_path, capsys):
+  """--bound-unknown-in: of the selected entries, only those whose row in the given runs'
+  table misses its target with bound "?" (a tl kernel without its alone record): the next
+  runs to re-measure."""
+  def rec(m, impl, ms, **kw):
+    return dict(model="llama3-8b", projection="qkv", op="ag", m=m, k=4096, n=6144, world_size=8,
+                local_gemm=[m, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16", impl=impl,
+                median_ms=ms, **kw)
+  records = [rec(128, "gemm_alone", 0.0075), rec(128, "ours", 0.012, engine="tl"),
+             rec(256, "gemm_alone", 0.0097), rec(256, "ours", 0.0144, engine="tl"),
+             rec(256, "engine_alone_tl", 0.013, engine="tl"),  # over 1.25 alone: "engine"
+             rec(512, "gemm_alone", 0.01), rec(512, "ours", 0.0105, engine="tl")]  # met
+  run = tmp_path / "run.json"
+  run.write_text(json.dumps(records))
+  (tmp_path / "runs.txt").write_text("run.json\n")
+  rows = {r[4]: r[-1] for r in shapes.table_rows(shapes.read_records([run]))}
+  assert rows == {"128x4096x6144": "?", "256x4096x6144": "engine", "512x4096x6144": "-"}
+  for runs in (str(run), str(tmp_path / "runs.txt")):
+    assert bench.main(["shapes", "--loopback", "--list", "--filter", "llama3-8b", "--filter",
+                       "qkv", "--filter", "w8", "--bound-unknown-in", runs]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["llama3-8b qkv ag 128x4096x6144 w8  local 128x4096x768",
+                                "1 entries"]
+    assert "1 of 7 selected entries miss their target with an unknown bound" in err
+
+
 @pytest.mark.parametrize("manifest,table,dtype", [
     ("shapes-runs.txt", "shapes-table-all-measured.txt", "bfloat16"),
     ("shapes-runs-fp8.txt", "shapes-table-fp8-all-measured.txt", "float8_e4m3fn")])

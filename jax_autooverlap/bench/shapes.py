@@ -3,6 +3,8 @@ loopback on one GPU in one command.
 
     python -m jax_autooverlap.bench shapes --loopback [--filter F ...] [--max-shapes N] [--list]
         [--skip-measured JSON ...]   (leave out what earlier runs measured)
+        [--bound-unknown-in RUNS ...]   (only the missed entries whose bound those runs do not
+                                         tell: "?", e.g. tl ones without the tl kernel alone)
     python -m jax_autooverlap.bench shapes --loopback --table-from JSON ...   (one table of runs)
     python -m jax_autooverlap.bench shapes --loopback --table-from bench/results/shapes-runs.txt
         (the committed table: the runs that list names, in the order they override each other)
@@ -315,6 +317,10 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--skip-measured", nargs="+", default=[], metavar="JSON",
                   help="skip the entries these *-shapes-loopback.json files already hold in "
                        "--dtype (a list measured over several runs)")
+  ap.add_argument("--bound-unknown-in", nargs="+", default=[], metavar="JSON",
+                  help="run only the entries whose row in the table of these record files (or "
+                       ".txt lists of them, as --table-from) misses its target with bound '?' "
+                       "(what keeps it over was not measured)")
   ap.add_argument("--table-from", nargs="+", default=[], metavar="JSON",
                   help="run nothing: print the table of these record files "
                        "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs, "
@@ -345,17 +351,25 @@ def main(argv=None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
   from jax_autooverlap.bench.loopback.cli import parse_movers, parse_variants
   movers, extra = parse_movers(args.movers), parse_variants(args.variant)
+  paths = lambda values: [q for p in values
+                          for q in (listed_runs(p) if p.endswith(".txt") else [pathlib.Path(p)])]
   if args.table_from:
-    paths = [q for p in args.table_from
-             for q in (listed_runs(p) if p.endswith(".txt") else [pathlib.Path(p)])]
     try:
-      records = read_records(paths)
+      records = read_records(paths(args.table_from))
     except ValueError as e:
       print(f"bench shapes --table-from: {e}", file=sys.stderr)
       return 2
     print(format_table(records))
     return 0
   entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
+  if args.bound_unknown_in:
+    unknown = {row[:5] for row in table_rows(read_records(paths(args.bound_unknown_in),
+                                                          args.dtype)) if row[-1] == "?"}
+    left = [e for e in entries
+            if (e.model, e.projection, e.op, e.world, f"{e.m}x{e.k}x{e.n}") in unknown]
+    log(f"{len(left)} of {len(entries)} selected entries miss their target with an unknown "
+        f"bound in {', '.join(args.bound_unknown_in)}")
+    entries = left
   if args.skip_measured:
     done = {entry_key(r) for r in read_records(args.skip_measured, args.dtype)
             if r["impl"] != "engine_alone"}
