@@ -95,7 +95,7 @@ def test_launchers_hand_gluon_configs_to_the_gluon_backend(monkeypatch, op):
     kw["return_gathered"] = True
   args = ("a", "b", "table", "rank")
   assert getattr(tb, name)(*args, **kw) == "gluon-out"
-  passed_on = {"poison": False, "workspace_bytes": None, **({"trace": False} if op == "ag" else {})}
+  passed_on = {"poison": False, "workspace_bytes": None, "trace": False}
   assert seen == [(args, {**kw, **passed_on})]
 
 
