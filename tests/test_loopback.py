@@ -609,3 +609,68 @@ assert not errors
 """
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("fastest", ["tl-128x128-k8-p", "tl-64x256-k8-p"])
+def test_bench_case_times_ours_tl_alone_and_records_it(monkeypatch, fastest):
+  """bench_case's orchestration, the GPU parts faked: every distinct tl variant also runs alone
+  (its config unpacked, on a group of one with its own operands, checked, then timed in the
+  same interleaved rounds), and ours_tl's alone run becomes the engine_alone_tl record; a
+  wrong alone run (here 64x256 split 8's) is not timed, so no record says what it took."""
+  import types
+  from jax_autooverlap.runtime import cuda
+  built = []
+
+  class FakeLoopback:
+    def __init__(self, case, device, seed=7):
+      self.case = case
+
+    def check(self, program):
+      case, cfg = program
+      wrong = case.world == 1 and (cfg.block_m, cfg.split_k) == (64, 8)
+      return {"rel_err": 1.0 if wrong else 1e-3, "push_rel_err": 0.0, "bit_identical_repeat": True}
+
+    def fused_args(self):
+      return ()
+
+    gemm_args = fused_args
+
+  class Clocks:
+    __enter__ = lambda self: self
+    __exit__ = lambda self, *exc: None
+    summary = lambda self: {}
+
+  def fused_program(case, cfg, sms):
+    built.append((case, cfg))
+    return case, cfg
+
+  def timed(contestants, rounds, calls):
+    """`fastest` 1 us, the other variants 50 us, an alone run 10 us + 0.1 us per part"""
+    def ms(name, program):
+      if name.startswith("tl_alone"):
+        return 0.010 + 1e-4 * program[1].split_k
+      return 0.001 if name == fastest else 0.05
+    return {name: (ms(name, fn), {}) for name, (fn, _, _) in contestants.items()}
+  monkeypatch.setattr(cli, "Loopback", FakeLoopback)
+  monkeypatch.setattr(cli, "fused_program", fused_program)
+  monkeypatch.setattr(cli, "gemm_program", lambda case: "cublas")
+  monkeypatch.setattr(cli.common, "warm_compiles", lambda programs: None)
+  monkeypatch.setattr(cli.timing, "time_interleaved", timed)
+  monkeypatch.setattr(cli.timing, "ClockSampler", Clocks)
+  monkeypatch.setattr(cuda, "sm_count", lambda device_id: 132)
+  case = fixture.Case("ag", 128, 4096, 6144, world=8)  # Llama-3-8B Q/K/V, TP 8, M = 128
+  device = types.SimpleNamespace(device_kind="NVIDIA H200", local_hardware_id=0)
+  records = {r["impl"]: r for r in cli.bench_case(case, device, ["tl"], rounds=1, calls=1)}
+  variants = cli.fused_variants(case, "NVIDIA H200", ["tl"], 132)
+  alone = [cfg for k, cfg in built if k.world == 1]
+  assert sorted(map(str, alone)) == sorted({str(cli.alone_config(case, c))
+                                            for c in variants.values()})  # each config once
+  assert all(k == cli.alone_case(case) for k, _ in built if k.world == 1)
+  assert records["ours_tl"]["kernel"] == dataclasses.asdict(variants[fastest])
+  if fastest == "tl-64x256-k8-p":  # its alone run was wrong: not timed, no record
+    assert "engine_alone_tl" not in records
+  else:
+    record = records["engine_alone_tl"]
+    assert record["kernel"] == {**dataclasses.asdict(variants[fastest]), "pack_shards": False}
+    # its own alone run's time (split 8: 10.8 us), not another's
+    assert (record["median_ms"], record["alone_world"], record["engine"]) == (0.0108, 1, "tl")
