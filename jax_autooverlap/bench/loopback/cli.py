@@ -166,15 +166,22 @@ def explicit_variant(case: Case, configs: dict, engine: str, fields: dict):
   except ValueError as e:
     log(f"{label} skipped: {e}")
     return None
-  _, k, n = case.local_gemm
-  rows = case.m // case.world
-  why = (select.unsupported(rows, k, n, np_dtype(case.dtype), np_dtype(case.out_dtype), cfg,
-                            case.op)
-         or select.split_k_unsupported(cfg, select.fused_tiles(case.world, rows, n, cfg), k))
+  why = unsupported(case, cfg)
   if why:
     log(f"{label} skipped: {why}")
     return None
   return cfg
+
+
+def unsupported(case: Case, cfg) -> str | None:
+  """Why the fused kernel cannot run `cfg` as rank 0 of the case's group (what the launchers
+  refuse: select.unsupported, split_k_unsupported), or None."""
+  from jax_autooverlap.tuning import select
+  _, k, n = case.local_gemm
+  rows = case.m // case.world  # ag: a shard; rs: an owner's output rows
+  return (select.unsupported(rows, k, n, np_dtype(case.dtype), np_dtype(case.out_dtype), cfg,
+                             case.op)
+          or select.split_k_unsupported(cfg, select.fused_tiles(case.world, rows, n, cfg), k))
 
 
 def alone_case(case: Case) -> Case:
@@ -187,13 +194,8 @@ def alone_config(case: Case, cfg):
   """The tl config `cfg` of `case` run alone (alone_case): its tiles, split and movers, the
   shards unpacked (a group of one has one shard); None, after saying why, where the kernel
   cannot run it so."""
-  from jax_autooverlap.tuning import select
-  one = alone_case(case)
-  _, k, n = one.local_gemm
   cfg = dataclasses.replace(cfg, pack_shards=False)
-  why = (select.unsupported(one.m, k, n, np_dtype(one.dtype), np_dtype(one.out_dtype), cfg,
-                            one.op)
-         or select.split_k_unsupported(cfg, select.fused_tiles(1, one.m, n, cfg), k))
+  why = unsupported(alone_case(case), cfg)
   if why:
     log(f"{case.op} {case.label}: {variant_name(cfg)} alone skipped: {why}")
     return None
