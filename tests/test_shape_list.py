@@ -307,6 +307,54 @@ def test_entries_with_an_unknown_bound_are_selected_from_the_runs(tmp_path, caps
     assert "1 of 7 selected entries miss their target with an unknown bound" in err
 
 
+def test_configs_from_times_again_only_the_recorded_configs_of_ours_and_ours_tl(tmp_path,
+                                                                               monkeypatch):
+  """--configs-from: each selected entry that the runs hold runs bench_case with only the
+  configs its latest run recorded for ours and ours_tl (one variant where they are one config),
+  its records say so; entries the runs do not hold are skipped."""
+  import dataclasses
+  import types
+  from jax_autooverlap.bench.loopback import cli
+  from jax_autooverlap.tuning.config import KernelConfig
+  tl = KernelConfig(block_m=128, block_n=128, num_comm=32, split_k=8, pack_shards=True)
+  gluon = KernelConfig(block_m=64, block_n=256, num_warps=4, chunks=2, engine="gluon")
+  def rec(m, impl, ms, kernel=None):
+    r = dict(model="llama3-8b", projection="qkv", op="ag", m=m, k=4096, n=6144, world_size=8,
+             local_gemm=[m, 4096, 768], gpu="NVIDIA-H200", dtype="bfloat16", impl=impl,
+             median_ms=ms)
+    return {**r, "engine": kernel.engine, "kernel": dataclasses.asdict(kernel)} if kernel else r
+  old = [rec(128, "gemm_alone", 0.0075), rec(128, "ours_tl", 0.012, tl),
+         rec(128, "ours", 0.012, tl),
+         rec(256, "gemm_alone", 0.0097), rec(256, "ours_tl", 0.0144, tl),
+         rec(256, "ours", 0.0131, gluon)]
+  older = tmp_path / "older.json"  # an earlier run of 128 with another config: overridden
+  older.write_text(json.dumps([rec(128, "gemm_alone", 0.0075),
+                               rec(128, "ours", 0.02, dataclasses.replace(tl, split_k=2))]))
+  run = tmp_path / "run.json"
+  run.write_text(json.dumps(old))
+  recorded = shapes.recorded_configs(shapes.read_records([older, run]))
+  assert recorded == {
+      ("llama3-8b", "qkv", "ag", 128, 4096, 6144, 8): {"tl-128x128-k8-p": tl},
+      ("llama3-8b", "qkv", "ag", 256, 4096, 6144, 8): {"tl-128x128-k8-p": tl,
+                                                        "gluon-64x256": gluon}}
+  calls = []
+  def bench_case(case, device, engines, rounds, calls_, movers, first_call, extra, variants):
+    calls.append((case.m, variants))
+    return [{"impl": "gemm_alone", "median_ms": 0.01}]
+  device = types.SimpleNamespace(device_kind="NVIDIA H200")
+  monkeypatch.setattr(cli, "gpus_and_engines", lambda arg, what: ([device], ["tl", "gluon"]))
+  monkeypatch.setattr(cli, "bench_case", bench_case)
+  monkeypatch.setattr(shapes.common, "gpu_name", lambda d: "NVIDIA-H200")
+  assert bench.main(["shapes", "--loopback", "--filter", "llama3-8b", "--filter", "qkv",
+                     "--filter", "w8", "--configs-from", str(older), str(run),
+                     "--out", str(tmp_path / "out")]) == 0
+  assert calls == [(128, recorded[("llama3-8b", "qkv", "ag", 128, 4096, 6144, 8)]),
+                   (256, recorded[("llama3-8b", "qkv", "ag", 256, 4096, 6144, 8)])]
+  written = json.loads(next((tmp_path / "out").glob("*-shapes-loopback.json")).read_text())
+  assert [(r["m"], r["configs_from"]) for r in written] == [(128, [str(older), str(run)]),
+                                                            (256, [str(older), str(run)])]
+
+
 @pytest.mark.parametrize("manifest,table,dtype", [
     ("shapes-runs.txt", "shapes-table-all-measured.txt", "bfloat16"),
     ("shapes-runs-fp8.txt", "shapes-table-fp8-all-measured.txt", "float8_e4m3fn")])

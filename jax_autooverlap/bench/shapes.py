@@ -5,6 +5,8 @@ loopback on one GPU in one command.
         [--skip-measured JSON ...]   (leave out what earlier runs measured)
         [--bound-unknown-in RUNS ...]   (only the missed entries whose bound those runs do not
                                          tell: "?", e.g. tl ones without the tl kernel alone)
+        [--configs-from RUNS ...]   (time again only the configs that ran ours and ours_tl
+                                     there, with cuBLAS and the tl kernel alone)
     python -m jax_autooverlap.bench shapes --loopback --table-from JSON ...   (one table of runs)
     python -m jax_autooverlap.bench shapes --loopback --table-from bench/results/shapes-runs.txt
         (the committed table: the runs that list names, in the order they override each other)
@@ -222,6 +224,20 @@ def entry_key(r) -> tuple:
   return (r["model"], r["projection"], r["op"], r["m"], r["k"], r["n"], r["world_size"])
 
 
+def recorded_configs(records: list[dict]) -> dict[tuple, dict]:
+  """{entry_key: {variant name: KernelConfig}} of the configs that ran `ours` and `ours_tl` in
+  these records (read_records: each entry's latest run): what --configs-from times again."""
+  import dataclasses
+  from jax_autooverlap.tuning.config import KernelConfig
+  fields = {f.name for f in dataclasses.fields(KernelConfig)}
+  out: dict[tuple, dict] = {}
+  for r in records:
+    if r["impl"] in ("ours", "ours_tl") and "kernel" in r:
+      cfg = KernelConfig(**{f: v for f, v in r["kernel"].items() if f in fields})
+      out.setdefault(entry_key(r), {})[variant_name(cfg)] = cfg
+  return out
+
+
 def listed_runs(manifest) -> list[pathlib.Path]:
   """The record files a manifest names, one per line relative to its directory, in the order
   they override each other ('#' starts a comment): bench/results/shapes-runs.txt names the
@@ -326,6 +342,11 @@ def parser() -> argparse.ArgumentParser:
                        "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs, "
                        "all of one dtype; one row per entry, in list order, the latest run's "
                        "where two hold it); a .txt names such files (listed_runs)")
+  ap.add_argument("--configs-from", nargs="+", default=[], metavar="JSON",
+                  help="time again only the configs that ran ours and ours_tl in these record "
+                       "files (or .txt lists of them) for each entry, with cuBLAS and the tl "
+                       "kernel alone (what a missing engine_alone_tl needs, at a fraction of a "
+                       "full run's compiles); entries they do not hold are skipped")
   from jax_autooverlap.bench.loopback.cli import add_variant_arguments
   add_variant_arguments(ap)
   ap.add_argument("--tag", default="", help="suffix of the output file names")
@@ -377,6 +398,13 @@ def main(argv=None) -> int:
     log(f"{len(entries) - len(left)} of {len(entries)} selected entries already measured "
         f"({', '.join(args.skip_measured)}): skipped")
     entries = left
+  recorded = {}
+  if args.configs_from:
+    recorded = recorded_configs(read_records(paths(args.configs_from), args.dtype))
+    left = [e for e in entries if entry_key(e) in recorded]
+    log(f"{len(entries) - len(left)} of {len(entries)} selected entries have no recorded "
+        f"config in {', '.join(args.configs_from)}: skipped")
+    entries = left
   if args.list:
     for e in entries:
       print(f"{e.label}  local {'x'.join(map(str, e.case(args.dtype).local_gemm))}"
@@ -406,14 +434,18 @@ def main(argv=None) -> int:
             "also": list(e.also), "op": e.op, "m": e.m, "k": e.k, "n": e.n,
             "dtype": args.dtype, "world_size": e.world, "mode": "loopback",
             "local_gemm": list(case.local_gemm), "gpu": gpu, "versions": versions, "date": date}
-    if not cli.kernel_configs(case, gpus[0].device_kind, engines):
+    variants = recorded.get(entry_key(e))
+    if variants is not None:
+      variants = {name: cfg for name, cfg in variants.items() if cfg.engine in engines}
+      base["configs_from"] = list(args.configs_from)
+    if variants is None and not cli.kernel_configs(case, gpus[0].device_kind, engines):
       reason = unsupported_reason(e, args.dtype)
       log(f"[{i}/{len(entries)}] {e.label}: unsupported: {reason}")
       records.append({**base, "impl": "unsupported", "reason": reason})
       continue
     try:
       measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
-                                args.first_call_candidates, extra)
+                                args.first_call_candidates, extra, variants)
     except Exception as ex:  # noqa: BLE001 - report, go on with the list
       log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})

@@ -203,9 +203,10 @@ def alone_config(case: Case, cfg):
 
 
 def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None,
-               first_call: bool = False, extra=()) -> list[dict]:
-  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants;
-  its `variants_ms`: every timed variant's time), ours_tl (the fastest on the tl engine),
+               first_call: bool = False, extra=(), variants: dict | None = None) -> list[dict]:
+  """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants,
+  or `variants` ({name: KernelConfig}) where given; its `variants_ms`: every timed variant's
+  time), ours_tl (the fastest on the tl engine),
   engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant; its
   `tiles_ms`: the engine alone with each Gluon variant's tiles), engine_alone_tl (ours_tl's
   kernel alone: its config in a group of one, alone_config: the local GEMM, its tiles' and the
@@ -216,8 +217,9 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   lb = Loopback(case, device)
   log(f"{case.op} {case.label}: operands and workspaces set up in {time.monotonic() - t0:.1f} s")
   num_sms = cuda.sm_count(device.local_hardware_id)
-  variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call,
-                            extra)
+  if variants is None:
+    variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call,
+                              extra)
   programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
   # each tl variant alone (one run per distinct config), on operands of its own
   alone = {name: alone_config(case, cfg) for name, cfg in variants.items() if cfg.engine == "tl"}
