@@ -44,8 +44,8 @@ import triton.language as tl
 from jax_autooverlap._compat import lean_launch
 from jax_autooverlap.kernels import split_k, tl_trace
 from jax_autooverlap.kernels.sync import (ERROR_SLOT_OFFSET, epilogue_scale, finish_call,
-                                          signal_add, table_address, wait_all_at_least,
-                                          wait_at_least)
+                                          signal_add, signal_add_all, table_address,
+                                          wait_all_at_least, wait_at_least)
 
 
 @triton.jit
@@ -143,11 +143,10 @@ def gemm_rs_kernel(
         remote = (owner != rank) & (owner < WORLD)
         tl.store(dest[:, None] + cols[None, :], acc.to(out_dtype),
                  mask=remote[:, None] & (cols[None, :] < N))
-        for j in tl.static_range(PACK):
-          o = pt * PACK + j
-          if (o < WORLD) & (o != rank):
-            signal_add((table_address(table_ptr, o) + FLAGS_OFF).to(tl.pointer_type(tl.int32))
-                       + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1)
+        o = pt * PACK + tl.arange(0, PACK)  # the tile's owners, signalled together
+        signal_add_all((table_address(table_ptr, tl.minimum(o, WORLD - 1)) + FLAGS_OFF).to(
+            tl.pointer_type(tl.int32)) + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1,
+            (o < WORLD) & (o != rank))
         if pt == rank // PACK:  # this GPU's own rows: the peers' partials, in rank order
           own = owner == rank
           peers = tl.arange(0, FLAG_BLOCK // MAX_CHUNKS)  # every peer's push at once
