@@ -353,6 +353,13 @@ def test_configs_from_times_again_only_the_recorded_configs_of_ours_and_ours_tl(
   written = json.loads(next((tmp_path / "out").glob("*-shapes-loopback.json")).read_text())
   assert [(r["m"], r["configs_from"]) for r in written] == [(128, [str(older), str(run)]),
                                                             (256, [str(older), str(run)])]
+  # Gluon only: 128's one config is tl, so it is skipped, not run with cuBLAS alone
+  calls.clear()
+  monkeypatch.setattr(cli, "gpus_and_engines", lambda arg, what: ([device], ["gluon"]))
+  assert bench.main(["shapes", "--loopback", "--filter", "llama3-8b", "--filter", "qkv",
+                     "--filter", "w8", "--configs-from", str(run), "--engines", "gluon",
+                     "--out", str(tmp_path / "out2")]) == 0
+  assert calls == [(256, {"gluon-64x256": gluon})]
 
 
 @pytest.mark.parametrize("manifest,table,dtype", [

@@ -437,6 +437,10 @@ def main(argv=None) -> int:
     variants = recorded.get(entry_key(e))
     if variants is not None:
       variants = {name: cfg for name, cfg in variants.items() if cfg.engine in engines}
+      if not variants:
+        log(f"[{i}/{len(entries)}] {e.label}: skipped: its recorded configs "
+            f"({', '.join(recorded[entry_key(e)])}) are not on {', '.join(engines)}")
+        continue
       base["configs_from"] = list(args.configs_from)
     if variants is None and not cli.kernel_configs(case, gpus[0].device_kind, engines):
       reason = unsupported_reason(e, args.dtype)
