@@ -563,3 +563,45 @@ def test_tl_variants_alone_compile_in_a_group_of_one(op, shape):
     assert jax.eval_shape(program, *specs).shape == one.out_shape  # all of the local GEMM's rows
     jax.export.export(program, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(*specs)
+
+
+_K = KernelConfig
+_DEEP = [  # (op, dtype, config, world, local shape): every kernel's shared-memory layout, deep
+    ("ag", "bfloat16", _K(block_m=128, block_n=128, num_stages=6), 2, (64, 4096, 3072)),
+    ("ag", "bfloat16", _K(block_m=64, block_n=256, num_stages=5, split_k=2), 2, (128, 4096, 3072)),
+    ("rs", "bfloat16", _K(block_m=128, block_n=128, num_stages=6, split_k=4, pack_shards=True), 2,
+     (128, 2048, 4096)),
+    ("rs", "bfloat16", _K(block_m=64, block_n=128, num_warps=4, num_stages=8), 2, (256, 4096, 4096)),
+    ("ag", "bfloat16", _K(engine="gluon", block_m=64, block_n=128, num_warps=4, num_stages=8), 2,
+     (128, 4096, 4096)),
+    ("rs", "bfloat16", _K(engine="gluon", block_m=128, block_n=128, num_stages=6), 2,
+     (256, 4096, 4096)),
+    ("ag", "float8_e4m3fn", _K(engine="gluon", block_m=128, block_n=128, block_k=128, num_stages=5),
+     2, (128, 4096, 4096)),
+    ("rs", "float8_e4m3fn", _K(block_m=128, block_n=128, block_k=128, num_stages=6), 2,
+     (256, 4096, 4096))]
+
+
+@pytest.mark.parametrize("case", _DEEP, ids=lambda c: f"{c[0]}-{c[1]}-{c[2].engine}-"
+                         f"{c[2].block_m}x{c[2].block_n}-k{c[2].split_k}-s{c[2].num_stages}")
+def test_the_shared_memory_model_is_what_triton_allocates(monkeypatch, tmp_path, case):
+  """select.shared_memory, which decides which configs (and `bench --stages` depths) run, counts
+  each kernel's shared memory: at most SMEM_SLACK over Triton's own count (compile_info), never
+  under it (a config it passed would fail to launch), and for deep pipelines (the one place it
+  is tight) without spills.  Triton 3.6 stores the tl AG+GEMM's unsplit output tile without
+  shared memory; the model keeps 3.9's."""
+  import triton
+  op, dtype, cfg, world, (m, k, n) = case
+  dt = jnp.dtype(dtype)
+  out_bytes = 2
+  ptx = _ptx(monkeypatch, tmp_path / "dump", dt, cfg, m, k, n, world, return_gathered=False,
+             op=op)
+  info = glob.glob(str(tmp_path / "dump" / "**" / "*.compile_info"), recursive=True)
+  triton_bytes = int(re.search(r"shared_mem_bytes: (\d+)", pathlib.Path(info[0]).read_text())[1])
+  model = select.shared_memory(cfg, op, dt.itemsize, out_bytes)
+  allowance = select.SMEM_SLACK
+  if (cfg.engine, op, cfg.split_k) == ("tl", "ag", 1) and triton.__version__.startswith("3.6"):
+    allowance += cfg.block_m * cfg.block_n * out_bytes
+  assert 0 <= model - triton_bytes <= allowance, (model, triton_bytes)
+  assert model <= select.SMEM_LIMIT
+  _assert_no_spills(ptx, tmp_path)

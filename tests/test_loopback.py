@@ -4,6 +4,7 @@ records and table.
 (The kernels themselves run in tests/test_gpu_loopback.py, and compile in
 tests/test_kernel_compile.py.)
 """
+import argparse
 import dataclasses
 import json
 
@@ -528,6 +529,64 @@ def test_explicit_variants_replace_fields_of_each_engines_config(capsys):
               "tl:pack_shards=2", "tl:pack_shards=01", "tl:engine=1"):
     with pytest.raises(ValueError, match="--variant"):
       cli.parse_variants([bad])
+
+
+def test_stages_add_each_variant_in_deeper_pipelines_where_its_shared_memory_fits(capsys):
+  """--stages N,...: every variant also with each pipeline depth, named <variant>-s<N>, where
+  its kernel's shared memory (select.shared_memory) fits a CTA; skipped with the reason where
+  not; the depths are parsed strictly."""
+  from jax_autooverlap.tuning import select
+  qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # Llama-3-8B Q/K/V, TP 8, M = 128
+  base = cli.fused_variants(qkv, "NVIDIA H200", ["tl", "gluon"], 132)
+  got = cli.with_stages(qkv, base, (4, 6))
+  assert list(got)[:len(base)] == list(base) and all(got[n] == base[n] for n in base)
+  for name, cfg in base.items():
+    for depth in (4, 6):
+      deeper = dataclasses.replace(cfg, num_stages=depth)
+      fits = select.shared_memory(deeper, "ag", 2, 2) <= select.SMEM_LIMIT
+      assert got.get(f"{name}-s{depth}") == (deeper if fits else None), (name, depth)
+  # split: 6 stages of 64x128 (24 KB each) and no output tile; the unsplit 128x256 AG's
+  # output tile (64 KB) beside 4 stages of 48 KB does not fit
+  assert got["tl-64x128-k2-s6"] == dataclasses.replace(base["tl-64x128-k2"], num_stages=6)
+  assert cli.variant_name(got["tl-64x128-k2-s6"]) == "tl-64x128-k2-s6"
+  assert "tl-s4" not in got
+  assert ("ag 128x4096x6144: tl in 4 stages skipped: tl ag kernel of 128x256x64 tiles in 4 "
+          "stages needs 263168 bytes of shared memory, more than the 232448 a CTA can have"
+          ) in capsys.readouterr().err
+  assert cli.with_stages(qkv, base) == base
+  assert cli.parse_stages("4,6") == (4, 6)
+  for bad in ("", "4,", "1", "13", "four"):
+    with pytest.raises(argparse.ArgumentTypeError, match="pipeline depths"):
+      cli.parse_stages(bad)
+  assert cli.parse_args(["ag", "--loopback", "--stages", "5"]).stages == (5,)
+  assert cli.parse_args(["ag", "--loopback"]).stages == ()
+
+
+def test_the_shared_memory_model_counts_what_each_kernel_allocates():
+  """select.shared_memory: the operand stages; the output tile where the kernel stores through
+  shared memory (both Gluon kernels and its GEMM alone; tl AG+GEMM unsplit); the Gluon AG
+  mover's two 8 KB staging boxes; SMEM_SLACK.  (test_kernel_compile.py compares it with
+  Triton's own count.)"""
+  from jax_autooverlap.tuning import select
+  stage = (128 * 64 + 64 * 256) * 2  # 48 KB of 128x256x64 bf16 tiles
+  out, slack = 128 * 256 * 2, select.SMEM_SLACK
+  tl, gluon = KernelConfig(), KernelConfig(engine="gluon")
+  assert select.shared_memory(tl, "ag", 2, 2) == 3 * stage + out + slack
+  assert select.shared_memory(dataclasses.replace(tl, split_k=2, split_tail=4), "ag", 2, 2) == (
+      3 * stage + slack)
+  assert select.shared_memory(tl, "rs", 2, 2) == 3 * stage + slack
+  assert select.shared_memory(gluon, "ag", 2, 2) == 3 * stage + out + 16384 + slack
+  assert select.shared_memory(gluon, "rs", 2, 4) == 3 * stage + 2 * out + slack
+  # the shipped Gluon AG fits; in 4 stages it does not, and the tuner says so
+  assert select.unsupported(1024, 4096, 4096, jnp.bfloat16, jnp.bfloat16, gluon, "ag") is None
+  assert "needs 279552 bytes of shared memory" in select.unsupported(
+      1024, 4096, 4096, jnp.bfloat16, jnp.bfloat16,
+      dataclasses.replace(gluon, num_stages=4), "ag")
+  # tl GEMM+RS in 128x256 tiles of a 4-byte output: its shared memory fits, its registers do not
+  assert "spills registers" in select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
+                                                 tl, "rs")
+  assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
+                            dataclasses.replace(tl, block_n=128), "rs") is None
 
 
 def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():

@@ -338,8 +338,9 @@ def test_configs_from_times_again_only_the_recorded_configs_of_ours_and_ours_tl(
       ("llama3-8b", "qkv", "ag", 256, 4096, 6144, 8): {"tl-128x128-k8-p": tl,
                                                         "gluon-64x256": gluon}}
   calls = []
-  def bench_case(case, device, engines, rounds, calls_, movers, first_call, extra, variants):
-    calls.append((case.m, variants))
+  def bench_case(case, device, engines, rounds, calls_, movers, first_call, extra, variants,
+                 stages):
+    calls.append((case.m, variants, stages))
     return [{"impl": "gemm_alone", "median_ms": 0.01}]
   device = types.SimpleNamespace(device_kind="NVIDIA H200")
   monkeypatch.setattr(cli, "gpus_and_engines", lambda arg, what: ([device], ["tl", "gluon"]))
@@ -348,8 +349,8 @@ def test_configs_from_times_again_only_the_recorded_configs_of_ours_and_ours_tl(
   assert bench.main(["shapes", "--loopback", "--filter", "llama3-8b", "--filter", "qkv",
                      "--filter", "w8", "--configs-from", str(older), str(run),
                      "--out", str(tmp_path / "out")]) == 0
-  assert calls == [(128, recorded[("llama3-8b", "qkv", "ag", 128, 4096, 6144, 8)]),
-                   (256, recorded[("llama3-8b", "qkv", "ag", 256, 4096, 6144, 8)])]
+  assert calls == [(128, recorded[("llama3-8b", "qkv", "ag", 128, 4096, 6144, 8)], ()),
+                   (256, recorded[("llama3-8b", "qkv", "ag", 256, 4096, 6144, 8)], ())]
   written = json.loads(next((tmp_path / "out").glob("*-shapes-loopback.json")).read_text())
   assert [(r["m"], r["configs_from"]) for r in written] == [(128, [str(older), str(run)]),
                                                             (256, [str(older), str(run)])]
@@ -359,7 +360,13 @@ def test_configs_from_times_again_only_the_recorded_configs_of_ours_and_ours_tl(
   assert bench.main(["shapes", "--loopback", "--filter", "llama3-8b", "--filter", "qkv",
                      "--filter", "w8", "--configs-from", str(run), "--engines", "gluon",
                      "--out", str(tmp_path / "out2")]) == 0
-  assert calls == [(256, {"gluon-64x256": gluon})]
+  assert calls == [(256, {"gluon-64x256": gluon}, ())]
+  # --stages: the recorded configs in those pipeline depths too (bench_case adds them)
+  calls.clear()
+  assert bench.main(["shapes", "--loopback", "--filter", "llama3-8b", "--filter", "qkv",
+                     "--filter", "w8", "--configs-from", str(run), "--stages", "4,6",
+                     "--out", str(tmp_path / "out3")]) == 0
+  assert calls == [(256, {"gluon-64x256": gluon}, (4, 6))]
 
 
 @pytest.mark.parametrize("manifest,table,dtype", [

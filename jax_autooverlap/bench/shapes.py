@@ -449,7 +449,7 @@ def main(argv=None) -> int:
       continue
     try:
       measured = cli.bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
-                                args.first_call_candidates, extra, variants)
+                                args.first_call_candidates, extra, variants, args.stages)
     except Exception as ex:  # noqa: BLE001 - report, go on with the list
       log(f"[{i}/{len(entries)}] {e.label} failed: {type(ex).__name__}: {str(ex)[:400]}")
       records.append({**base, "impl": "unsupported", "reason": f"failed: {type(ex).__name__}"})

@@ -107,10 +107,6 @@ class KernelConfig:
           raise ValueError(f"KernelConfig: {name}={getattr(self, name)} must be {want} for "
                            "engine='gluon'")
 
-  def smem_bytes(self, in_bytes: int, out_bytes: int) -> int:
-    """Shared memory of the GEMM pipeline plus the TMA-store epilogue."""
-    stage = (self.block_m * self.block_k + self.block_k * self.block_n) * in_bytes
-    return self.num_stages * stage + self.block_m * self.block_n * out_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,9 @@ from jax_autooverlap.tuning import model as cost_model
 from jax_autooverlap.tuning import store
 from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig, autotune_enabled
 
-SMEM_LIMIT = 227 * 1024
+SMEM_LIMIT = 227 * 1024  # a CTA's shared memory on sm_90 (opt-in maximum)
+SMEM_SLACK = 1024        # shared_memory's allowance for barriers and alignment
+GLUON_STAGING_BOX = 8 * 1024  # kernels/gluon_ag_gemm.py box_cols: a mover's staging box
 KERNEL_DTYPES = ("bfloat16", "float16", "float32", *fp8.FP8_DTYPES)
 # The configs the model ranks (per tile shape it has a cost for): the
 # benchmark's sweep plus 2 and 16 chunks, the default config first (the
@@ -138,9 +140,33 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
     return why
   if cfg.engine == "gluon" and dt.itemsize > 2:
     return f"the gluon engine takes 16-bit and fp8 operands (wgmma), not {dt.name}"
-  if cfg.smem_bytes(dt.itemsize, np.dtype(out_dtype).itemsize) > SMEM_LIMIT:
-    return f"kernel config needs more than {SMEM_LIMIT} bytes of shared memory"
+  if (cfg.engine, op) == ("tl", "rs") and np.dtype(out_dtype).itemsize == 4 and \
+      cfg.block_m * cfg.block_n > 128 * 128 and dt.itemsize < 4:
+    return (f"the tl GEMM+RS kernel spills registers with {cfg.block_m}x{cfg.block_n} tiles "
+            f"of a 4-byte output (ptxas); tiles of 128x128 or fewer elements run it")
+  need = shared_memory(cfg, op, dt.itemsize, np.dtype(out_dtype).itemsize)
+  if need > SMEM_LIMIT:
+    return (f"{cfg.engine} {op} kernel of {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tiles in "
+            f"{cfg.num_stages} stages needs {need} bytes of shared memory, more than the "
+            f"{SMEM_LIMIT} a CTA can have")
   return None
+
+
+def shared_memory(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> int:
+  """Bytes of shared memory the kernel of `op` (ag | rs | gemm: the Gluon engine alone)
+  allocates with `cfg`, at most SMEM_SLACK over Triton's own count under 3.6 and 3.9
+  (tests/test_kernel_compile.py compares them): the operand pipeline's stages; the output
+  tile's TMA-store buffer (the Gluon kernels; the tl AG+GEMM's unsplit tiles under Triton 3.9,
+  which 3.6 stores without); the Gluon AG mover's two staging boxes (gluon_ag_gemm.box_cols:
+  8 KB each); and the barriers."""
+  stage = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * in_bytes
+  out_tile = cfg.block_m * cfg.block_n * out_bytes
+  if cfg.engine == "gluon":
+    extra = out_tile + (2 * GLUON_STAGING_BOX if op == "ag" else 0)
+  else:
+    extra = out_tile if op == "ag" and cfg.split_k == 1 else 0
+  return cfg.num_stages * stage + extra + SMEM_SLACK
+
 
 
 def packed_unsupported(cfg: KernelConfig, rows: int, n: int, op: str) -> str | None:

@@ -81,14 +81,16 @@ def kernel_names(engine: str, op: str) -> tuple[str, ...]:
 def variant_name(cfg) -> str:
   """A fused variant's name: its engine (gluon_wg: a consumer partition per warpgroup), then
   its tiles and split where not the default's (-k<parts>, -t<last tiles split>), -p where
-  the shards are packed into the row tiles.  cfg: a KernelConfig or its record's dict."""
+  the shards are packed into the row tiles, -s<stages> where its pipeline is not the default
+  3 stages.  cfg: a KernelConfig or its record's dict."""
   get = cfg.get if isinstance(cfg, dict) else lambda f, d=None: getattr(cfg, f)
   name = get("engine", "tl") + ("_wg" if get("wg_partitions", False) else "")
   if (get("block_m", 128), get("block_n", 256)) != (128, 256):
     name += f"-{get('block_m', 128)}x{get('block_n', 256)}"
   split = f"-k{get('split_k', 1)}" if get("split_k", 1) > 1 else ""
+  stages = f"-s{get('num_stages', 3)}" if get("num_stages", 3) != 3 else ""
   return (name + split + (f"-t{get('split_tail', 0)}" if get("split_tail", 0) else "")
-          + ("-p" if get("pack_shards", False) else ""))
+          + ("-p" if get("pack_shards", False) else "") + stages)
 
 
 def first_call_variants(case: Case, device_kind: str, engines) -> dict:
@@ -148,6 +150,24 @@ def fused_variants(case: Case, device_kind: str, engines, num_sms: int, movers=N
   return variants
 
 
+def with_stages(case: Case, variants: dict, stages=()) -> dict:
+  """`variants` ({name: KernelConfig}) and, for each, a copy with each pipeline depth of
+  `stages` (named <name>-s<depth>), where the kernel can run it (unsupported: the stages'
+  shared memory); --stages."""
+  out = dict(variants)
+  for name, cfg in variants.items():
+    for depth in stages:
+      deeper = dataclasses.replace(cfg, num_stages=depth)
+      if deeper in out.values():
+        continue
+      why = unsupported(case, deeper)
+      if why:
+        log(f"{case.op} {case.label}: {name} in {depth} stages skipped: {why}")
+        continue
+      out[f"{name}-s{depth}"] = deeper
+  return out
+
+
 def explicit_variant(case: Case, configs: dict, engine: str, fields: dict):
   """The engine's config (configs: kernel_configs) with `fields` replaced, its warps the
   tiles' (select.tile_warps) where the tiles change and num_warps is not given; None, after
@@ -203,12 +223,15 @@ def alone_config(case: Case, cfg):
 
 
 def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None,
-               first_call: bool = False, extra=(), variants: dict | None = None) -> list[dict]:
+               first_call: bool = False, extra=(), variants: dict | None = None,
+               stages=()) -> list[dict]:
   """Records of one case: gemm_alone, ours (the fastest correct fused variant: fused_variants,
-  or `variants` ({name: KernelConfig}) where given; its `variants_ms`: every timed variant's
-  time), ours_tl (the fastest on the tl engine),
+  or `variants` ({name: KernelConfig}) where given, each also in the pipeline depths of
+  `stages` (with_stages); its `variants_ms`: every timed variant's time), ours_tl (the
+  fastest on the tl engine),
   engine_alone (the Gluon engine's GEMM alone with the tiles of the fastest Gluon variant; its
-  `tiles_ms`: the engine alone with each Gluon variant's tiles), engine_alone_tl (ours_tl's
+  `tiles_ms`: the engine alone with each Gluon variant's tiles and stages, "<m>x<n>[-s<stages>]"),
+  engine_alone_tl (ours_tl's
   kernel alone: its config in a group of one, alone_config: the local GEMM, its tiles' and the
   call's own costs, no communication)."""
   import jax
@@ -220,6 +243,7 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   if variants is None:
     variants = fused_variants(case, device.device_kind, engines, num_sms, movers, first_call,
                               extra)
+  variants = with_stages(case, variants, stages)
   programs = {name: fused_program(case, cfg, num_sms) for name, cfg in variants.items()}
   # each tl variant alone (one run per distinct config), on operands of its own
   alone = {name: alone_config(case, cfg) for name, cfg in variants.items() if cfg.engine == "tl"}
@@ -231,11 +255,11 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
   common.warm_compiles([(p, lb.fused_args()) for p in programs.values()]
                        + [(p, lb1.fused_args()) for p in alone_programs.values()])  # threads
   contestants, checks = {"gemm_alone": (gemm_program(case), lb.gemm_args(), None)}, {}
-  engine_tiles = {}  # (block_m, block_n) -> the Gluon engine's GEMM alone with those tiles
+  engine_tiles = {}  # (block_m, block_n, stages) -> the Gluon engine's GEMM alone with those
   for name, cfg in variants.items():
-    if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n) not in engine_tiles:
-      tiles = (cfg.block_m, cfg.block_n)
-      engine_tiles[tiles] = f"engine_alone-{tiles[0]}x{tiles[1]}"
+    if cfg.engine == "gluon" and (cfg.block_m, cfg.block_n, cfg.num_stages) not in engine_tiles:
+      tiles = (cfg.block_m, cfg.block_n, cfg.num_stages)
+      engine_tiles[tiles] = f"engine_alone-{tiles_name(tiles)}"
       program = engine_program(dataclasses.replace(cfg, wg_partitions=False), num_sms,
                                out_dtype=np_dtype(case.out_dtype))
       try:
@@ -286,11 +310,12 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
       records.append(("engine_alone_tl", timed[run], {
           "engine": "tl", "alone_world": 1, **checks[run],
           "kernel": dataclasses.asdict(alone[tl])}))
-  tiles = (variants[gluon].block_m, variants[gluon].block_n) if gluon else None
+  tiles = ((variants[gluon].block_m, variants[gluon].block_n, variants[gluon].num_stages)
+           if gluon else None)
   if engine_tiles.get(tiles) in timed:
     records.append(("engine_alone", timed[engine_tiles[tiles]],
-                    {"engine": "gluon", "tiles": f"{tiles[0]}x{tiles[1]}", "tiles_ms": {
-                        f"{t[0]}x{t[1]}": round(timed[name][0], 4)
+                    {"engine": "gluon", "tiles": tiles_name(tiles), "tiles_ms": {
+                        tiles_name(t): round(timed[name][0], 4)
                         for t, name in engine_tiles.items() if name in timed}}))
   if fused is not None:
     records.append(("ours", timed[fused], {**described(fused), "variants_ms": {
@@ -301,6 +326,11 @@ def bench_case(case: Case, device, engines, rounds: int, calls: int, movers=None
           f"({timed[e][0] / timed['gemm_alone'][0]:.3f} x cuBLAS)")
   return [{"impl": impl, "median_ms": round(ms, 4), **extra, **info, **clocks.summary()}
           for impl, (ms, info), extra in records]
+
+
+def tiles_name(tiles) -> str:
+  """"<block_m>x<block_n>" of (block_m, block_n, stages), "-s<stages>" added where not 3."""
+  return f"{tiles[0]}x{tiles[1]}" + (f"-s{tiles[2]}" if tiles[2] != 3 else "")
 
 
 def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
@@ -421,6 +451,10 @@ def add_variant_arguments(ap: argparse.ArgumentParser):
                   help="AG: also time ENGINE's config with each of these mover counts (tl: "
                        "CTAs, gluon: CTAs with a mover warp); repeat per engine, e.g. "
                        "--movers tl=16,32,48 --movers gluon=32,64,132")
+  ap.add_argument("--stages", type=parse_stages, default=(), metavar="N,N,...",
+                  help="also time every variant with each of these pipeline depths (operand "
+                       "stages, 2 to 12), where its shared memory fits a CTA; named "
+                       "<variant>-s<N>, e.g. --stages 4,6")
   ap.add_argument("--variant", action="append", default=[], metavar="ENGINE:FIELD=V,...",
                   help="also time ENGINE's config with these KernelConfig fields replaced "
                        "(ints; pack_shards and wg_partitions 0 or 1); where the tiles change "
@@ -446,6 +480,18 @@ def parse_variants(values) -> tuple[tuple[str, dict], ...]:
     out.append((engine, {name: value == "1" if name in flags else int(value)
                          for name, _, value in items}))
   return tuple(out)
+
+
+def parse_stages(value: str) -> tuple[int, ...]:
+  """(depth, ...) of a --stages value "N,N,..."."""
+  try:
+    depths = tuple(int(v) for v in value.split(","))
+  except ValueError:
+    depths = ()
+  if not depths or not all(2 <= d <= 12 for d in depths):
+    raise argparse.ArgumentTypeError(f"{value!r}: expected pipeline depths N,N,... each from 2 "
+                                     "to 12, e.g. 4,6")
+  return depths
 
 
 def parse_movers(values) -> dict[str, tuple[int, ...]]:
@@ -497,7 +543,7 @@ def main(argv=None) -> int:
   for case in cases:
     log(f"{case.op} {case.label}: local GEMM {'x'.join(map(str, case.local_gemm))}")
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
-                        args.first_call_candidates, extra):
+                        args.first_call_candidates, extra, stages=args.stages):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
