@@ -588,3 +588,14 @@ def test_packed_shards_need_shards_that_fill_the_tiles():
   assert select.split_counters(cfg) == 62
   assert "at most 62 output tiles" in select.split_k_unsupported(cfg, 63, 4096)
   assert select.split_k_unsupported(dataclasses.replace(cfg, pack_shards=False), 64, 4096) is None
+
+
+def test_the_model_and_the_launchers_count_chunks_on_the_workspaces_counters():
+  """tuning/model.py keeps its own MAX_CHUNKS (it does not import the runtime): it must be the
+  workspace's counters per peer, which split-K, packed shards and the launchers' chunks
+  (tiles_per_chunk) are bounded by."""
+  from jax_autooverlap.runtime import workspace
+  from jax_autooverlap.tuning import model
+  assert model.MAX_CHUNKS == workspace.MAX_CHUNKS
+  assert model.tiles_per_chunk(8, 4) == 2 and model.tiles_per_chunk(3, 8) == 1
+  assert model.tiles_per_chunk(256, 4) == 64 and model.tiles_per_chunk(256, 128) == 4

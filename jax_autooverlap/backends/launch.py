@@ -12,13 +12,8 @@ from jax_autooverlap import fp8
 
 from jax_autooverlap.runtime import workspace
 from jax_autooverlap.tuning.config import KernelConfig
+from jax_autooverlap.tuning.model import tiles_per_chunk
 from jax_autooverlap.tuning.select import fused_tiles, packed_unsupported, split_k_unsupported
-
-
-def _tiles_per_chunk(tile_rows: int, chunks: int) -> int:
-  """Tile rows per arrival chunk: `chunks` chunks, but never more than the workspace holds."""
-  return max(math.ceil(tile_rows / min(chunks, tile_rows)),
-             math.ceil(tile_rows / workspace.MAX_CHUNKS))
 
 
 def parity_bytes(op: str, world: int, a, n: int, out_dtype, workspace_bytes: int | None,
@@ -42,7 +37,7 @@ def kernel_constants(kernel: KernelConfig, world: int, tile_rows: int, num_ctas:
   the workspace protocol (runtime/workspace.py's layout, `parity` = parity_bytes, the bounded
   waits' limit)."""
   return dict(WORLD=world, BLOCK_M=kernel.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k,
-              GROUP_M=kernel.group_m, TILES_PER_CHUNK=_tiles_per_chunk(tile_rows, kernel.chunks),
+              GROUP_M=kernel.group_m, TILES_PER_CHUNK=tiles_per_chunk(tile_rows, kernel.chunks),
               NUM_CTAS=num_ctas, FLAGS_OFF=workspace.FLAGS_OFFSET,
               BUF_OFF=workspace.buffer_offset(world), PARITY_BYTES=parity,
               MAX_CHUNKS=workspace.MAX_CHUNKS,

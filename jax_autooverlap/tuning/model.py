@@ -59,6 +59,14 @@ from jax_autooverlap.tuning.config import KernelConfig
 
 FORMAT = 1
 MAX_CHUNKS = 64  # arrival counters per peer in the workspace (runtime/workspace.py MAX_CHUNKS)
+
+
+def tiles_per_chunk(tile_rows: int, chunks: int) -> int:
+  """Tile rows per arrival chunk of a shard of tile_rows row tiles: `chunks` chunks, but never
+  more than the workspace's MAX_CHUNKS counters per peer (what the launchers pass the kernels,
+  backends/launch.py, and what the model times)."""
+  return max(math.ceil(tile_rows / min(chunks, tile_rows)), math.ceil(tile_rows / MAX_CHUNKS))
+
 # One more ring step of NCCL's collectives per extra peer: the order of a cross-GPU flag round
 # trip measured on 2xH200 (5-8 us, docs/NOTES.md).  An assumption, not fitted.
 HOP_US = 5.0
@@ -233,9 +241,8 @@ class CostModel:
     return max(self.group.fused_floor_ms, (us + self.group.call_us) / 1e3)
 
   def _chunks(self, tile_rows: int, cfg: KernelConfig):
-    """Tile rows per arrival chunk, as the launcher computes them (backends/triton.py)."""
-    per_chunk = max(math.ceil(tile_rows / min(cfg.chunks, tile_rows)),
-                    math.ceil(tile_rows / MAX_CHUNKS))
+    """(tile rows per arrival chunk, chunks) of a shard of tile_rows row tiles."""
+    per_chunk = tiles_per_chunk(tile_rows, cfg.chunks)
     return per_chunk, math.ceil(tile_rows / per_chunk)
 
   def _ag_us(self, m: int, k: int, n: int, cfg: KernelConfig) -> float:
