@@ -391,23 +391,31 @@ def test_gemm_check_shapes_are_not_calibration_points():
 
 
 def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
-  """For a small shape the first call times SMALL_KEEP of the usual candidates, then split-K
-  and the narrower tiles (both engines on sm_90 with 16-bit operands), MAX_CANDIDATES in all;
-  packed shards first; large shapes and 32-bit operands get the usual list."""
+  """For a small shape the first call times each engine's first usual candidate (SMALL_KEEP),
+  then the shape's own configs in SMALL_ORDER (packed 128x128, split-K, the Gluon engine's
+  narrower tiles, ...; both engines on sm_90 with 16-bit operands), MAX_CANDIDATES in all;
+  large shapes and 32-bit operands get the usual list."""
   sizes = (16, 4096, 768)  # Llama-3-8B Q/K/V at TP = 8, 128 tokens: 16 rows per source
   usual = select.default_candidates("ag", 8, BF16, "9.0")
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
-  assert len(got) == select.MAX_CANDIDATES and got[:select.SMALL_KEEP] == usual[:select.SMALL_KEEP]
-  assert [(c.block_m, c.block_n, c.split_k, c.pack_shards)
-          for c in got[select.SMALL_KEEP:select.SMALL_KEEP + 3]] == [
-      (128, 128, 8, True), (64, 256, 8, True), (64, 128, 2, False)]
+  first_gluon = next(c for c in usual if c.engine == "gluon")
+  assert len(got) == select.MAX_CANDIDATES and got[:select.SMALL_KEEP] == (usual[0], first_gluon)
+  assert [(c.engine, c.block_m, c.block_n, c.split_k, c.pack_shards)
+          for c in got[select.SMALL_KEEP:]] == [
+      ("tl", 128, 128, 8, True), ("tl", 64, 128, 2, False), ("gluon", 64, 256, 1, False),
+      ("gluon", 64, 128, 1, False)]
+  assert [select.small_class(c) for c in got[select.SMALL_KEEP:]] == sorted(
+      map(select.small_class, got[select.SMALL_KEEP:]), key=select.SMALL_ORDER.index)
   small = got[select.SMALL_KEEP:]
   assert all(c.engine == "tl" for c in small if c.split_k > 1 or c.pack_shards)
   assert all(c.chunks == usual[0].chunks and c.num_comm == usual[0].num_comm for c in small)
   got, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "8.0")
   assert {c.engine for c in got} == {"tl"} and len(got) == select.MAX_CANDIDATES
+  assert got[:select.SMALL_KEEP] == tuple(c for c in usual if c.engine == "tl")[:2]
   rs, _ = select.first_call_candidates("rs", None, 8, (128, 4096, 768), 16, BF16, BF16, "9.0")
-  assert [(c.block_m, c.block_n) for c in rs if c.pack_shards] == [(128, 128), (64, 256)]
+  assert [select.small_class(c) for c in rs[select.SMALL_KEEP:]] == [
+      ("tl", "packed", 128, 128), ("tl", "split", 64, 128), ("gluon", "plain", 64, 256),
+      ("gluon", "plain", 64, 128)]
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
                                           "9.0")
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
@@ -474,8 +482,10 @@ def test_a_short_second_wave_of_ag_tiles_is_split_in_two():
   cands, _ = select.first_call_candidates("ag", None, 8, (512, 8192, 1280), 512, BF16, BF16,
                                           "9.0")
   usual = select.default_candidates("ag", 8, BF16, "9.0")
-  assert cands[:select.SMALL_KEEP + 1] == usual[:select.SMALL_KEEP] + (
-      dataclasses.replace(usual[0], split_k=2, split_tail=60),)  # the first tl one's movers
+  # each engine's first usual candidate, then the tail split (the first tl one's movers)
+  assert cands[:select.SMALL_KEEP + 1] == (
+      usual[0], next(c for c in usual if c.engine == "gluon"),
+      dataclasses.replace(usual[0], split_k=2, split_tail=60))
 
 
 def test_spread_split_tiles_give_each_part_a_power_of_2_of_rows():

@@ -439,3 +439,33 @@ def test_notebook_shape_list_cell_plots_each_entry_by_what_bounds_it(tmp_path, m
   (ys, ratios), kw = ax.barh.call_args
   assert list(ratios) == [2.0, 1.2] and kw["color"] == ["tab:gray", "tab:green"]
   assert plt.show.called
+
+
+def test_first_call_coverage_compares_the_first_calls_best_with_the_best_timed(tmp_path):
+  """bench shapes --first-call-coverage: per op, the best of the configs a first call times
+  (matched to the runs' variants by engine, tiles, split and packing) over the best variant
+  timed, per entry at M <= 1024 from its latest record that timed every variant."""
+  def rec(model, proj, op, m, k, n, w, variants, **extra):
+    return {"model": model, "projection": proj, "op": op, "m": m, "k": k, "n": n,
+            "world_size": w, "dtype": "bfloat16", "impl": "ours", "median_ms": min(
+                variants.values()), "variants_ms": variants, **extra}
+  # Llama-3-8B o, TP 4, M = 128: its first call times tl, gluon, tl-128x128-k4-p,
+  # tl-64x256-k2, gluon-64x256, gluon-64x128 (the chunks aside)
+  o = rec("llama3-8b", "o", "rs", 128, 4096, 4096, 4,
+          {"tl-64x128": 0.010, "gluon-64x128": 0.012, "tl": 0.02, "tl-64x256-k2-m8": 0.03})
+  # a later run that re-timed only the recorded configs: not a full record, ignored
+  redo = rec("llama3-8b", "o", "rs", 128, 4096, 4096, 4, {"tl-64x128": 0.001},
+             configs_from=["x"])
+  # AG: the tail split's tile count and a mover sweep's suffix do not tell configs apart
+  qkv = rec("llama3-70b", "qkv", "ag", 1024, 8192, 10240, 2,
+            {"tl-k2-t44": 0.0146, "tl-m48": 0.02, "gluon-64x128": 0.03})
+  big = rec("llama3-8b", "o", "rs", 8192, 4096, 4096, 4, {"tl": 0.5, "tl-64x128": 0.1})
+  path = tmp_path / "runs.json"
+  path.write_text(json.dumps([o, redo, qkv, big]))
+  got = shapes.first_call_coverage([path])
+  n, mean, over, worst = got["rs"]  # gluon-64x128's 12 us against tl-64x128's 10
+  assert (n, over, worst) == (1, 1, (0.012 / 0.010, "llama3-8b o rs 128x4096x4096 w4"))
+  assert mean == pytest.approx(1.2)
+  n, mean, over, worst = got["ag"]  # the tail split timed is the first call's
+  assert (n, mean, over, worst) == (1, 1.0, 0, (1.0, "llama3-70b qkv ag 1024x8192x10240 w2"))
+  assert bench.main(["shapes", "--loopback", "--first-call-coverage", str(path)]) == 0

@@ -289,6 +289,41 @@ def format_table(records: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def first_call_coverage(paths, device_kind: str = "NVIDIA H200", dtype: str = "bfloat16",
+                        engines=("tl", "gluon")) -> dict:
+  """{op: (entries, geometric mean, count over 1.05, (worst ratio, entry label))}: how close the
+  best config a first call times (select.first_call_candidates, no verdict, sm_90) comes to the
+  best variant the runs timed, per entry at M <= 1024, from each entry's latest `ours` record
+  that timed every variant (not --configs-from).  Configs are matched by engine, tiles,
+  split-K and packing (variant_name, less a tail split's tile count and a mover sweep's
+  suffix): the chunks and movers a first call picks per group size are not told apart.  How
+  select.SMALL_ORDER was chosen; an entry none of whose candidates was timed is left out."""
+  import re
+  from jax_autooverlap.bench.loopback import cli
+  kind = lambda name: re.sub(r"-t\d+", "-t", re.sub(r"-m\d+$", "", name))
+  full = {}
+  for path in paths:
+    for r in json.loads(pathlib.Path(path).read_text()):
+      if r["impl"] == "ours" and "configs_from" not in r and r["dtype"] == dtype:
+        full[entry_key(r)] = r
+  ratios = collections.defaultdict(list)
+  for e in load():
+    r = full.get(entry_key(e))
+    if r is None or e.m > 1024:
+      continue
+    best = min(r["variants_ms"].values())
+    timed = {}
+    for name, ms in r["variants_ms"].items():
+      timed[kind(name)] = min(timed.get(kind(name), math.inf), ms / best)
+    first = {kind(variant_name(c)) for c in
+             cli.first_call_variants(e.case(dtype), device_kind, engines).values()}
+    got = [timed[name] for name in first if name in timed]
+    if got:
+      ratios[e.op].append((min(got), e.label))
+  return {op: (len(v), math.exp(sum(math.log(x) for x, _ in v) / len(v)),
+               sum(x > 1.05 for x, _ in v), max(v)) for op, v in ratios.items()}
+
+
 def unsupported_reason(entry: Entry, dtype: str) -> str:
   """Why no fused kernel runs this entry (the tuner's reason for its default config)."""
   from jax_autooverlap.bench.loopback.fixture import np_dtype
@@ -342,6 +377,10 @@ def parser() -> argparse.ArgumentParser:
                        "(*-shapes-loopback.json and *-shapes-engine-alone.json of several runs, "
                        "all of one dtype; one row per entry, in list order, the latest run's "
                        "where two hold it); a .txt names such files (listed_runs)")
+  ap.add_argument("--first-call-coverage", nargs="+", default=[], metavar="JSON",
+                  help="run nothing: per op, how close the best config a first call times "
+                       "comes to the best variant these runs (or .txt lists of them) timed, "
+                       "over the entries at M <= 1024 (first_call_coverage)")
   ap.add_argument("--configs-from", nargs="+", default=[], metavar="JSON",
                   help="time again only the configs that ran ours and ours_tl in these record "
                        "files (or .txt lists of them) for each entry, with cuBLAS and the tl "
@@ -381,6 +420,12 @@ def main(argv=None) -> int:
       print(f"bench shapes --table-from: {e}", file=sys.stderr)
       return 2
     print(format_table(records))
+    return 0
+  if args.first_call_coverage:
+    for op, (n, mean, over, (worst, label)) in sorted(
+        first_call_coverage(paths(args.first_call_coverage), dtype=args.dtype).items()):
+      print(f"{op}: {n} entries at M <= 1024: the first call's best / the best timed: geometric "
+            f"mean {mean:.4f}, {over} over 1.05, worst {worst:.3f} ({label})")
     return 0
   entries = select(load(pathlib.Path(args.shapes_file)), args.filter, args.max_shapes)
   if args.bound_unknown_in:

@@ -108,7 +108,6 @@ class KernelConfig:
                            "engine='gluon'")
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OverlapConfig:
   """How a fused op runs.

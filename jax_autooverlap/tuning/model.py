@@ -59,14 +59,6 @@ from jax_autooverlap.tuning.config import KernelConfig
 
 FORMAT = 1
 MAX_CHUNKS = 64  # arrival counters per peer in the workspace (runtime/workspace.py MAX_CHUNKS)
-
-
-def tiles_per_chunk(tile_rows: int, chunks: int) -> int:
-  """Tile rows per arrival chunk of a shard of tile_rows row tiles: `chunks` chunks, but never
-  more than the workspace's MAX_CHUNKS counters per peer (what the launchers pass the kernels,
-  backends/launch.py, and what the model times)."""
-  return max(math.ceil(tile_rows / min(chunks, tile_rows)), math.ceil(tile_rows / MAX_CHUNKS))
-
 # One more ring step of NCCL's collectives per extra peer: the order of a cross-GPU flag round
 # trip measured on 2xH200 (5-8 us, docs/NOTES.md).  An assumption, not fitted.
 HOP_US = 5.0
@@ -103,6 +95,13 @@ BASE_KIND = "NVIDIA H200"
 
 def tile_name(cfg: KernelConfig) -> str:
   return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+
+
+def tiles_per_chunk(tile_rows: int, chunks: int) -> int:
+  """Tile rows per arrival chunk of a shard of tile_rows row tiles: `chunks` chunks, but never
+  more than the workspace's MAX_CHUNKS counters per peer (what the launchers pass the kernels,
+  backends/launch.py, and what the model times)."""
+  return max(math.ceil(tile_rows / min(chunks, tile_rows)), math.ceil(tile_rows / MAX_CHUNKS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,21 @@ CHUNKS = (4, 8, 16, 2)
 MOVERS = (8, 16, 32)
 AUTOTUNE_CANDIDATES = 3  # the fit model's fastest configs the first call times
 MAX_CANDIDATES = 6       # kernel configs timed at most per shape (each is compiled)
-SMALL_KEEP = 2           # of those, the usual ones kept for a small shape (small_shape_configs)
+SMALL_KEEP = 2           # of those, the usual ones kept for a small shape: each engine's first
+# The order in which a first call takes a small shape's own configs (small_class: engine, kind,
+# tiles), after the usual first tl and first Gluon candidate: on the shape list's 168 entries
+# at M <= 1024 in loopback (one H200, every config timed; `bench shapes --first-call-coverage
+# bench/results/shapes-runs.txt`), the best of the 6 configs a first call then times is within
+# 0.08 % (AG) and 0.2 % (GEMM+RS) of the best config timed, geometric mean, at most 1.5 % and
+# 2.7 % off; before (the first two usual configs, both tl, then tl's packed and split configs
+# and the tiles in turn) 0.8 % and 2.6 %, 3 and 9 entries over 5 %, at worst 1.36 and 1.45 x
+# (Mixtral gate/up TP 8 M = 1024, Llama-3-8B o TP 4 M = 128).
+# Kinds: "tail" (tail_split_config), "packed", "split" (unpacked split-K), "plain".
+SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "split", 64, 128),
+               ("tl", "split", 64, 256), ("tl", "split", 128, 128), ("gluon", "plain", 64, 256),
+               ("gluon", "plain", 64, 128), ("tl", "plain", 64, 256),
+               ("gluon", "plain", 128, 128), ("tl", "packed", 64, 256),
+               ("tl", "plain", 128, 128), ("tl", "plain", 64, 128))
 GLUON_CAPABILITY = "9.0"
 # The fixed candidates per group size (2, 4, 8; others take the next larger listed size).
 # tl engine: (chunks per peer's shard, mover CTAs) for AG, chunks for GEMM+RS.  Shards shrink
@@ -166,7 +180,6 @@ def shared_memory(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> 
   else:
     extra = out_tile if op == "ag" and cfg.split_k == 1 else 0
   return cfg.num_stages * stage + extra + SMEM_SLACK
-
 
 
 def packed_unsupported(cfg: KernelConfig, rows: int, n: int, op: str) -> str | None:
@@ -359,8 +372,8 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   """(candidates, predicted) of a first-call measurement: the fit model's fastest configs, then
   the fixed list (a derived model orders the tl ones), less what the kernel cannot run, at most
   MAX_CANDIDATES; for a small shape (small_shape_configs: fewer than SMALL_WAVES waves of
-  tiles) the first SMALL_KEEP of those, then narrower tiles and split-K (no model ranks them),
-  MAX_CANDIDATES in all;
+  tiles) each engine's first of those (SMALL_KEEP in all), then the shape's narrower tiles,
+  split-K and packed shards (no model ranks them) in SMALL_ORDER, MAX_CANDIDATES in all;
   predicted: the model's (fused ms of the best tl candidate, unfused ms) or None."""
   rows, k, cols = sizes
   runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c, op) is None
@@ -382,19 +395,31 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
            if c not in ordered]
-  # unmeasured preference: packed shards, split-K (the most SMs busy), then each tile on
-  # each engine in turn
-  small.sort(key=lambda c: (not c.pack_shards, c.split_k == 1,
-                            SMALL_TILES.index((c.block_m, c.block_n))
-                            if (c.block_m, c.block_n) in SMALL_TILES else len(SMALL_TILES)))
-  keep = SMALL_KEEP if small else MAX_CANDIDATES
-  ordered = ordered[:keep] + small[:MAX_CANDIDATES - min(keep, len(ordered))]
+  if small:
+    # the usual: each engine's first (tl's: the model's best), then the small ones in the
+    # measured SMALL_ORDER
+    firsts = [next(c for c in ordered if c.engine == e) for e in engines
+              if any(c.engine == e for c in ordered)]
+    usual = (firsts + [c for c in ordered if c not in firsts])[:SMALL_KEEP]
+    small.sort(key=lambda c: SMALL_ORDER.index(small_class(c)) if small_class(c) in SMALL_ORDER
+               else len(SMALL_ORDER))
+    ordered = usual + small[:MAX_CANDIDATES - len(usual)]
+  else:
+    ordered = ordered[:MAX_CANDIDATES]
   if model is None:
     return tuple(ordered), None
   ranked = model.rank(op, rows, k, cols, [c for c in tl(ordered)
                                           if c.split_k == 1 and not c.pack_shards], out_item)
   predicted = (ranked[0][0], model.unfused_ms(op, rows, k, cols, out_item)) if ranked else None
   return tuple(ordered), predicted
+
+
+def small_class(cfg: KernelConfig) -> tuple:
+  """(engine, kind, block_m, block_n) of a small shape's config (SMALL_ORDER): kind "tail"
+  (only the last tiles split), "packed" (whatever its split), "split" or "plain"."""
+  kind = ("tail" if cfg.split_tail else "packed" if cfg.pack_shards else
+          "split" if cfg.split_k > 1 else "plain")
+  return cfg.engine, kind, cfg.block_m, cfg.block_n
 
 
 def _describe(cfg: KernelConfig, op: str) -> str:
