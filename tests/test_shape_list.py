@@ -456,9 +456,10 @@ def test_first_call_coverage_compares_the_first_calls_best_with_the_best_timed(t
   # a later run that re-timed only the recorded configs: not a full record, ignored
   redo = rec("llama3-8b", "o", "rs", 128, 4096, 4096, 4, {"tl-64x128": 0.001},
              configs_from=["x"])
-  # AG: the tail split's tile count and a mover sweep's suffix do not tell configs apart
+  # AG: the tail split's tile count and the suffixes of a mover sweep and of --stages do not
+  # tell configs apart
   qkv = rec("llama3-70b", "qkv", "ag", 1024, 8192, 10240, 2,
-            {"tl-k2-t44": 0.0146, "tl-m48": 0.02, "gluon-64x128": 0.03})
+            {"tl-k2-t44-m16-s4": 0.0146, "tl-m48": 0.02, "gluon-64x128": 0.03})
   big = rec("llama3-8b", "o", "rs", 8192, 4096, 4096, 4, {"tl": 0.5, "tl-64x128": 0.1})
   path = tmp_path / "runs.json"
   path.write_text(json.dumps([o, redo, qkv, big]))

@@ -295,12 +295,13 @@ def first_call_coverage(paths, device_kind: str = "NVIDIA H200", dtype: str = "b
   best config a first call times (select.first_call_candidates, no verdict, sm_90) comes to the
   best variant the runs timed, per entry at M <= 1024, from each entry's latest `ours` record
   that timed every variant (not --configs-from).  Configs are matched by engine, tiles,
-  split-K and packing (variant_name, less a tail split's tile count and a mover sweep's
-  suffix): the chunks and movers a first call picks per group size are not told apart.  How
-  select.SMALL_ORDER was chosen; an entry none of whose candidates was timed is left out."""
+  split-K and packing (variant_name, less a tail split's tile count and the suffixes of a
+  mover sweep and of pipeline depths): the chunks, movers and stages a first call picks are
+  not told apart.  How select.SMALL_ORDER was chosen; an entry none of whose candidates was
+  timed is left out."""
   import re
   from jax_autooverlap.bench.loopback import cli
-  kind = lambda name: re.sub(r"-t\d+", "-t", re.sub(r"-m\d+$", "", name))
+  kind = lambda name: re.sub(r"-t\d+", "-t", re.sub(r"(-[ms]\d+)+$", "", name))
   full = {}
   for path in paths:
     for r in json.loads(pathlib.Path(path).read_text()):
