@@ -470,3 +470,24 @@ def test_first_call_coverage_compares_the_first_calls_best_with_the_best_timed(t
   n, mean, over, worst = got["ag"]  # the tail split timed is the first call's
   assert (n, mean, over, worst) == (1, 1.0, 0, (1.0, "llama3-70b qkv ag 1024x8192x10240 w2"))
   assert bench.main(["shapes", "--loopback", "--first-call-coverage", str(path)]) == 0
+
+
+def test_notebook_first_call_cell_prints_each_ops_coverage(tmp_path, monkeypatch, capsys):
+  """The notebook's first-call cell says when there are no runs, else prints per op how close a
+  first call's best config comes to the best variant timed (shapes.first_call_coverage)."""
+  cell = notebook_cell("shapes.first_call_coverage")
+  monkeypatch.chdir(tmp_path)
+  exec(cell, {})
+  assert "no shape-list results yet" in capsys.readouterr().out
+  run = tmp_path / "bench" / "results" / "r"
+  run.mkdir(parents=True)
+  # Llama-3-8B o, TP 4, M = 128: gluon-64x128 (a first call's) 12 us, tl-64x128 (not) 10 us
+  (run / "x.json").write_text(json.dumps([{
+      "model": "llama3-8b", "projection": "o", "op": "rs", "m": 128, "k": 4096, "n": 4096,
+      "world_size": 4, "dtype": "bfloat16", "impl": "ours", "median_ms": 0.010,
+      "variants_ms": {"tl-64x128": 0.010, "gluon-64x128": 0.012}}]))
+  (tmp_path / "bench" / "results" / "shapes-runs.txt").write_text("r/x.json\n")
+  exec(cell, {})
+  assert capsys.readouterr().out == ("rs: 1 entries: first call best / best timed 1.2000 "
+                                     "(geometric mean), 1 over 1.05, worst 1.200 (llama3-8b o "
+                                     "rs 128x4096x4096 w4)\n")
