@@ -261,6 +261,9 @@ def test_table_and_records():
   assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "gluon_wg"
   records[1]["kernel"] = {"engine": "tl", "block_m": 64, "block_n": 128, "split_k": 3}
   assert cli.format_table("rs", records).splitlines()[-1].split()[4] == "tl-64x128-k3"
+  # what a run did not time (--engines gluon: no tl, no tl alone) is "-", not nan
+  row = cli.format_table("rs", records[:2] + records[3:4]).splitlines()[-1].split()
+  assert row[5] == "-" and row[8] == "-" and row[10] == "-" and "nan" not in row
 
 
 def test_a_tl_variant_alone_is_its_config_on_the_local_gemm_in_a_group_of_one():

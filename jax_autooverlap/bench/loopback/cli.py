@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import pathlib
 import sys
 import time
@@ -396,11 +397,10 @@ def format_table(op: str, records: list[dict]) -> str:
     shape = f"{m}x{k}x{n}"
     ours = impls.get("ours", {})
     engine = variant_name(ours["kernel"]) if "kernel" in ours else ours.get("engine", "-")
-    lines.append("  ".join([f"{shape:>16}",
-                            f"{local:>16}", f"{g:>16.4f}", f"{o:>16.4f}",
-                            f"{engine:>16}", f"{t:>16.4f}",
-                            f"{e:>16.4f}", f"{o / g:>16.3f}", f"{t / g:>16.3f}", f"{e / g:>16.3f}",
-                            f"{t1 / g:>16.3f}", f"{clock:>16.0f}"]))
+    num = lambda x, digits: "-" if math.isnan(x) else f"{x:.{digits}f}"  # not measured
+    lines.append("  ".join(f"{c:>16}" for c in (
+        shape, local, num(g, 4), num(o, 4), engine, num(t, 4), num(e, 4), num(o / g, 3),
+        num(t / g, 3), num(e / g, 3), num(t1 / g, 3), num(clock, 0))))
   return "\n".join(lines)
 
 
