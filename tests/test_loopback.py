@@ -567,7 +567,7 @@ def test_stages_add_each_variant_in_deeper_pipelines_where_its_shared_memory_fit
 
 def test_the_shared_memory_model_counts_what_each_kernel_allocates():
   """select.shared_memory: the operand stages; the output tile where the kernel stores through
-  shared memory (both Gluon kernels and its GEMM alone; tl AG+GEMM unsplit); the Gluon AG
+  shared memory (both Gluon kernels; tl AG+GEMM unsplit); the Gluon AG
   mover's two 8 KB staging boxes; SMEM_SLACK.  (test_kernel_compile.py compares it with
   Triton's own count.)"""
   from jax_autooverlap.tuning import select

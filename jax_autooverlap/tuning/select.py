@@ -167,8 +167,8 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
 
 
 def shared_memory(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> int:
-  """Bytes of shared memory the kernel of `op` (ag | rs | gemm: the Gluon engine alone)
-  allocates with `cfg`, at most SMEM_SLACK over Triton's own count under 3.6 and 3.9
+  """Bytes of shared memory the fused kernel of `op` (ag | rs) allocates with `cfg`, at most
+  SMEM_SLACK over Triton's own count under 3.6 and 3.9
   (tests/test_kernel_compile.py compares them): the operand pipeline's stages; the output
   tile's TMA-store buffer (the Gluon kernels; the tl AG+GEMM's unsplit tiles under Triton 3.9,
   which 3.6 stores without); the Gluon AG mover's two staging boxes (gluon_ag_gemm.box_cols:
