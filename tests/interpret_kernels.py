@@ -1,7 +1,7 @@
 """The `tl` fused kernels run by Triton's interpreter on the CPU, as rank 0 of a loopback group.
 
     TRITON_INTERPRET=1 python tests/interpret_kernels.py OP WORLD SPLIT_K BLOCK_M BLOCK_N \
-        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS [RANK [NUM_COMM]]]]]]
+        [M K N [SPARE [SPLIT_TAIL [PACK_SHARDS [RANK [NUM_COMM [OUT]]]]]]]
 
 (tests/test_kernel_interpret.py starts it: the interpreter is chosen when a kernel module is
 imported, so it needs a process of its own.)  The loopback fixture's host images
@@ -15,7 +15,8 @@ workspace: parity slot 1 further away).  SPLIT_TAIL: split only the last tiles
 into the row tiles (KernelConfig.pack_shards).  RANK: the kernel runs as that rank of the
 group (default 0; the peers' pieces and counters made here, not by the benchmark's
 fixture).  NUM_COMM: the AG's movers (default 2; more split a small shard's pushes into
-column parts, launch.copy_block).  The interpreter runs the CTAs one after another, so
+column parts, launch.copy_block).  OUT: the product's dtype (default float16, the
+operands'; float32 as preferred_element_type=float32 gives it).  The interpreter runs the CTAs one after another, so
 this checks what the kernel computes and where it writes (tile order, split-K's parts and
 sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
 has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
@@ -113,7 +114,7 @@ def _references(case, rank, a, b, pieces):
                                for src in range(case.world)])
     return gathered @ b, {r: a for r in others}
   rows = case.m // case.world
-  partial = (a @ b).astype(np.float16).astype(np.float32)
+  partial = (a @ b).astype(case.out_dtype).astype(np.float32)
   out = partial[rank * rows:(rank + 1) * rows].copy()
   for src in others:
     out += pieces[src].astype(np.float32)
@@ -121,7 +122,7 @@ def _references(case, rank, a, b, pieces):
 
 
 def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pack_shards=False,
-        rank=0, num_comm=2, num_sms=16):
+        rank=0, num_comm=2, out_dtype="", num_sms=16):
   """Rank `rank` of a loopback group: rank 0 with the loopback benchmark's own fixture
   (bench/loopback/fixture.py and its set-up kernel), another rank with the same layout made
   here (its workspace at that rank's place in the table, its peers' pieces in the slots of
@@ -135,7 +136,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   from jax_autooverlap.runtime import workspace
   from jax_autooverlap.tuning import select
   from jax_autooverlap.tuning.config import KernelConfig
-  case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare)
+  case = fixture.Case(op, m, k, n, dtype="float16", world=world, spare=spare, out=out_dtype)
   cfg = KernelConfig(block_m=block_m, block_n=block_n, num_warps=block_m // 16, chunks=2,
                      num_comm=num_comm, split_k=split_k, split_tail=split_tail,
                      pack_shards=pack_shards)
@@ -145,7 +146,8 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
   a = rng.standard_normal(case.a_shape).astype(np.float16)
   b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[0])).astype(np.float16)
   others = [r for r in range(world) if r != rank]
-  pieces = {src: rng.standard_normal(case.piece_shape).astype(np.float16) for src in others}
+  pieces = {src: rng.standard_normal(case.piece_shape).astype(case.piece_dtype)
+            for src in others}
   ws0 = _buffer(fixture.workspace_bytes(case))  # this rank's workspace
   peer_ws = _buffer((world - 1) * fixture.peer_stride(case))
   if rank == 0:
@@ -168,7 +170,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
     _, tm, tn, num_ctas, tiles = rs_grid(rows, cols, world, cfg, num_sms)
   # what the launchers refuse
   why = (select.unsupported(rows if op == "ag" else rows // world, kk, cols, np.float16,
-                            np.float16, cfg, op)
+                            case.out_dtype, cfg, op)
          or select.split_k_unsupported(cfg, tiles, kk))
   if why:
     raise ValueError(why)
@@ -192,7 +194,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
       table_out = table
       flags.reshape(2, world, workspace.MAX_CHUNKS)[:, others] = ARMED.value
     parity = int(ws0[:4].view(np.int32)[0]) % 2
-    out = np.zeros(case.out_shape, np.float16)
+    out = np.zeros(case.out_shape, case.out_dtype)
     if op == "ag":
       gathered = np.zeros(16, np.float16)
       ag_gemm_kernel[(num_ctas,)](
@@ -212,7 +214,7 @@ def run(op, world, split_k, block_m, block_n, m, k, n, spare=0, split_tail=0, pa
     for i, r in enumerate(others):
       want = want_pushes[r]
       off = i * fixture.peer_stride(case) + fixture.piece_offset(case, parity, rank)
-      pushed = peer_ws[off:off + fixture.piece_bytes(case)].view(np.float16).reshape(
+      pushed = peer_ws[off:off + fixture.piece_bytes(case)].view(case.piece_dtype).reshape(
           case.piece_shape).astype(np.float32)
       perr = np.abs(pushed - want).max() / max(np.abs(want).max(), 1e-6)
       if perr > 1e-2:
@@ -243,8 +245,9 @@ def main(argv):
   pack_shards = len(argv) > 10 and argv[10] == "1"
   rank = int(argv[11]) if len(argv) > 11 else 0
   num_comm = int(argv[12]) if len(argv) > 12 else 2
+  out_dtype = argv[13] if len(argv) > 13 else ""
   problems = run(op, world, split_k, block_m, block_n, m, k, n, spare, split_tail, pack_shards,
-                 rank, num_comm)
+                 rank, num_comm, out_dtype)
   print("OK" if not problems else "FAIL: " + "; ".join(problems))
   return 0 if not problems else 1
 

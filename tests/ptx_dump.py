@@ -16,7 +16,8 @@ ranked configs at the group sizes they were fit on), at its group size, the larg
 Gluon engine's GEMM alone (backends/gluon.launch_gemm, the benchmarks' configs); the timeline
 builds (trace=True: the Gluon kernels' and the tl kernels'); the loopback set-up kernel; and every config that an entry of the
 benchmark's shape list selects for small shapes (select.small_shape_configs: narrower tiles on
-both engines, split-K on tl), at the first entry that selects it.
+both engines, split-K on tl), at the first entry that selects it; and one config per kind
+that a first call times for a float32 product of bf16 or fp8 operands (`wide_output_configs`).
 
 --compare diffs two dumps without their debug information (.loc/.file directives, the
 DWARF sections and their $L__tmp/$L__func labels, which follow source line numbers) and
@@ -135,6 +136,36 @@ def list_configs() -> list:
   return out
 
 
+def wide_output_configs() -> list:
+  """(op, dtype name, KernelConfig, world, local shape) of the configs a first call times for a
+  4-byte product (preferred_element_type=float32) of bf16 or fp8 e4m3 operands, one per kind
+  of config (select.small_class: engine, tiles, split, packing), at the first entry of the
+  shape list that selects it (with the H200 model and without one, as list_configs): the
+  kernels' float32 output tile, pushes and sums."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_autooverlap.bench import shapes
+  from jax_autooverlap.tuning import model as cost_model
+  from jax_autooverlap.tuning import select
+  out, seen = [], set()
+  for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+    name = np.dtype(dtype).name
+    for e in shapes.load():
+      case = e.case()
+      w, (m, k, n) = case.world, case.local_gemm
+      rows = m // w
+      sizes = (rows, k, n) if e.op == "ag" else (m, k, n)
+      for model in (None, cost_model.load("NVIDIA H200", w, dtype)):
+        cands, _ = select.first_call_candidates(e.op, model, w, sizes, rows, dtype, jnp.float32,
+                                                select.GLUON_CAPABILITY)
+        for cfg in cands:
+          kind = (e.op, name, *select.small_class(cfg))
+          if kind not in seen:
+            seen.add(kind)
+            out.append((e.op, name, cfg, w, case.a_shape + (case.b_shape[1],)))
+  return out
+
+
 def cases():
   """(name, function, argument specs) of every kernel launch to dump."""
   import jax
@@ -146,14 +177,16 @@ def cases():
   spec = jax.ShapeDtypeStruct
   common = dict(timeout_s=1.0, num_sms=132, compute_capability=90)
 
-  def fused(op, dtype, cfg, world, shape, launch=None, b_dtype=None, **extra):
-    """fp8 operands (b_dtype: b's, if not dtype): b is [N, K], the output bf16."""
+  def fused(op, dtype, cfg, world, shape, launch=None, b_dtype=None, out_dtype=None, **extra):
+    """fp8 operands (b_dtype: b's, if not dtype): b is [N, K], the output bf16; out_dtype: the
+    output's where it is not that default."""
     m, k, n = shape
     dt = jnp.dtype(dtype)
     b_spec = spec((k, n), dt)
     if fp8.is_fp8(dt):
       b_spec = spec((n, k), jnp.dtype(b_dtype or dt))
       dt = jnp.dtype(jnp.bfloat16)
+    dt = jnp.dtype(out_dtype or dt)
     if op == "ag":
       launch = launch or tb.launch_ag_gemm
       f = lambda a, b, row, rank: launch(a, b, row, rank, world=world, kernel=cfg, out_dtype=dt,
@@ -191,6 +224,12 @@ def cases():
     extra = dict(return_gathered=False) if op == "ag" else {}
     yield (f"{op}-bfloat16-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
            *fused(op, bf16, cfg, world, shape, **extra))
+
+  for op, dtype, cfg, world, shape in wide_output_configs():
+    extra = dict(return_gathered=False) if op == "ag" else {}
+    yield (f"{op}-{dtype}-to-float32-{_cfg_name(cfg)}-world{world}-list-"
+           f"{'x'.join(map(str, shape))}",
+           *fused(op, dtype, cfg, world, shape, out_dtype=np.float32, **extra))
 
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
     dt = jnp.dtype(dtype)

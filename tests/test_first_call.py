@@ -218,6 +218,38 @@ def test_fixed_candidates_per_group_size_and_engine():
   assert select.default_candidates("ag", 3, BF16) == select.default_candidates("ag", 4, BF16)
 
 
+@pytest.mark.parametrize("dtype", [BF16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_a_float32_product_of_narrower_operands_is_measured_in_tiles_that_hold_it(op, dtype):
+  """dot_general(..., preferred_element_type=float32) of bf16 or fp8 operands: the usual
+  128x256 tiles cannot hold a float32 output tile (tl AG and Gluon: shared memory; tl GEMM+RS:
+  registers), so the default config and each engine's fixed candidates take 128x128 tiles,
+  and a first call times both engines; before, every call was refused at the default tile."""
+  f32 = np.float32
+  usual = select.default_kernel(dtype)
+  assert select.unsupported(1024, 4096, 4096, dtype, f32, usual, op) is not None
+  wide = select.default_kernel(dtype, f32)
+  assert (wide.block_m, wide.block_n, wide.block_k) == (128, 128, usual.block_k)
+  assert select.unsupported(1024, 4096, 4096, dtype, f32, wide, op) is None
+  assert select.default_kernel(dtype, dtype if dtype == BF16 else BF16) == usual
+  for w in (2, 4, 8):
+    fixed = select.default_candidates(op, w, dtype, "9.0", f32)
+    assert [c.engine for c in fixed] == [c.engine for c in
+                                         select.default_candidates(op, w, dtype, "9.0")]
+    assert all(select.unsupported(1024, 4096, 4096, dtype, f32, c, op) is None for c in fixed)
+    for m in (8192, 1024, 128):  # large, and small enough for the narrow tiles and split-K
+      rows = m // w
+      v = (select.choose_ag(OverlapConfig(), H200, w, rows, 4096, 8192 // w, dtype, f32,
+                            compute_capability="9.0") if op == "ag" else
+           select.choose_rs(OverlapConfig(), H200, w, m, 4096 // w, 8192, dtype, f32,
+                            compute_capability="9.0"))
+      assert v.source == "first_call", v.reason
+      assert {c.engine for c in v.candidates} == {"tl", "gluon"}
+      k, n = (4096, 8192 // w) if op == "ag" else (4096 // w, 8192)
+      for c in v.candidates:
+        assert select.unsupported(rows, k, n, dtype, f32, c, op) is None
+
+
 def test_first_call_candidates_ranked_by_the_model_and_pruned_by_the_resource_model():
   sizes = (2048, 8192, 5120)
   fit2 = cost_model.load(H200, 2, BF16)

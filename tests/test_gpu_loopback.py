@@ -255,6 +255,37 @@ def test_small_shape_variants_match_unfused(label_case_name):
   assert res["bit_identical_repeat"], res
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("op,shape,world,dtype", [
+    ("ag", (4096, 8192, 8192), 2, "bfloat16"), ("rs", (4096, 8192, 8192), 2, "bfloat16"),
+    ("ag", (128, 4096, 6144), 8, "bfloat16"), ("rs", (128, 4096, 4096), 8, "bfloat16"),
+    ("ag", (600, 1024, 1280), 4, "bfloat16"), ("rs", (1200, 1024, 1280), 4, "bfloat16"),
+    ("ag", (4096, 8192, 8192), 2, "float8_e4m3fn"), ("rs", (4096, 8192, 8192), 2, "float8_e4m3fn")],
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_float32_products_match_unfused(engine, op, shape, world, dtype):
+  """A float32 product of bf16 or fp8 operands (preferred_element_type=float32): every config a
+  first call times for it on this engine (select.default_kernel's 128x128 tiles and, at small
+  M, the narrow tiles, split-K and packed shards), as rank 0 of its group: the output
+  (poisoned first) in float32 within the operands' error of the f32 product, GEMM+RS's
+  partials pushed and summed in float32, a bit-identical second call."""
+  from jax_autooverlap.bench.loopback import cli
+  from jax_autooverlap.runtime import cuda
+  if dtype != "bfloat16" and "gluon" not in ENGINES:
+    pytest.skip("fp8 wgmma kernels are for sm_90")
+  case = lb.Case(op, *shape, dtype=dtype, world=world, out="float32")
+  sms = cuda.sm_count(GPUS[0].local_hardware_id)
+  variants = cli.first_call_variants(case, GPUS[0].device_kind, [engine])
+  assert variants, "a first call times nothing"
+  loop = lb.Loopback(case, GPUS[0], seed=sum(shape) + world)
+  tol = cli.max_rel_err(case)
+  for name, cfg in variants.items():
+    program = lb.fused_program(case, cfg, sms, poison=True)
+    assert jax.eval_shape(program, *loop.fused_args()).dtype == np.float32
+    res = loop.check(program)
+    assert res["rel_err"] <= tol and res["push_rel_err"] <= tol, (name, res)
+    assert res["bit_identical_repeat"], (name, res)
+
+
 @pytest.mark.parametrize("op,shape,world", [("ag", (128, 4096, 6144), 8), ("rs", (128, 4096, 4096), 8),
                                             ("ag", (1024, 8192, 10240), 2)],
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))

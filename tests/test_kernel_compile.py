@@ -30,7 +30,8 @@ from jax_autooverlap.backends.launch import ag_grid, spread_rows  # noqa: E402
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
-from ptx_dump import candidate_configs, list_configs, tuner_configs  # noqa: E402
+from ptx_dump import (candidate_configs, list_configs, tuner_configs,  # noqa: E402
+                      wide_output_configs)
 
 
 def _tuner_configs(op):
@@ -65,13 +66,14 @@ def _check_engine(ptx, cfg):
 
 
 def _ptx(monkeypatch, tmp_path, dtype, cfg, m, k, n, world, return_gathered, op="ag",
-         b_dtype=None):
-  """fp8 dtype: b (of b_dtype, default dtype) is [N, K], the output bf16."""
+         b_dtype=None, out_dtype=None):
+  """fp8 dtype: b (of b_dtype, default dtype) is [N, K], the output bf16; out_dtype: the
+  output's where it is not that default."""
   from jax_autooverlap._compat import import_jax_triton
   import_jax_triton()
   from jax_triton import triton_lib
   monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(tmp_path))  # read at import time
-  out = jnp.dtype(jnp.bfloat16) if fp8.is_fp8(dtype) else dtype
+  out = jnp.dtype(out_dtype or (jnp.bfloat16 if fp8.is_fp8(dtype) else dtype))
   if op == "ag":
     f = lambda a, b, row, rank: launch_ag_gemm(
         a, b, row, rank, world=world, kernel=cfg, out_dtype=out, return_gathered=return_gathered,
@@ -474,6 +476,22 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
     assert "ld.global.cg" in ptx
   else:
     assert "ld.global.cg" not in ptx
+  _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("entry", wide_output_configs(),
+                         ids=lambda e: f"{e[0]}-{e[1]}-{e[2].engine}-{e[2].block_m}x{e[2].block_n}"
+                                       f"-k{e[2].split_k}{'-p' if e[2].pack_shards else ''}"
+                                       f"-w{e[3]}-{'x'.join(map(str, e[4]))}")
+def test_float32_products_compile_without_spills(monkeypatch, tmp_path, entry):
+  """A float32 product of bf16 or fp8 operands (preferred_element_type=float32): every kind of
+  config a first call times for one (tests/ptx_dump.py wide_output_configs; the usual ones in
+  128x128 tiles, select.default_kernel) keeps the fast paths and the cross-GPU protocol, and
+  ptxas neither spills nor serializes the wgmma."""
+  op, dtype, cfg, world, (m, k, n) = entry
+  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, m, k, n, world,
+             return_gathered=False, op=op, out_dtype=np.float32)
+  (_check_ag if op == "ag" else _check_rs)(ptx, cfg, dtype)
   _assert_no_spills(ptx, tmp_path)
 
 

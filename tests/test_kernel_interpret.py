@@ -2,7 +2,8 @@
 as rank 0 (and a few other ranks) of loopback groups of 2, 4 and 8: output and pushes against
 the unfused result, the counters zero after each of two calls; with and without split-K
 (kernels/split_k.py; of every tile or of the last ones only), full and ragged tiles, shards
-packed into the row tiles, workspaces sized for the call and grown beyond it.  What they
+packed into the row tiles, workspaces sized for the call and grown beyond it, 16-bit and
+float32 products.  What they
 compute, not how CTAs or GPUs order memory (that is for the GPU tests).
 """
 import pathlib
@@ -68,6 +69,13 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 1, 8, 128, 128, 128, 4096, 768, 0, 0, 0, 0, 32),
     ("rs", 1, 4, 64, 256, 128, 2048, 512),
     ("ag", 1, 1, 64, 128, 200, 1024, 384),
+    # a 4-byte product of 16-bit operands (preferred_element_type=float32; the tuner's
+    # 128x128 tiles): the output, and GEMM+RS's partials pushed and summed in float32
+    ("ag", 2, 1, 128, 128, 256, 512, 512, 0, 0, 0, 0, 2, "float32"),
+    ("rs", 2, 1, 128, 128, 512, 512, 512, 0, 0, 0, 0, 2, "float32"),
+    ("rs", 4, 3, 64, 128, 600, 2048, 320, 0, 0, 0, 0, 2, "float32"),   # ragged, split-K
+    ("rs", 8, 4, 64, 64, 128, 4096, 512, 0, 0, 1, 0, 2, "float32"),    # packed, split-K
+    ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1, 5, 2, "float32"),     # packed, rank 5
 ]
 
 
@@ -76,7 +84,8 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
                          + (f"-tail{c[9]}" if len(c) > 9 and c[9] else "")
                          + ("-packed" if len(c) > 10 and c[10] else "")
                          + (f"-rank{c[11]}" if len(c) > 11 and c[11] else "")
-                         + (f"-movers{c[12]}" if len(c) > 12 else ""))
+                         + (f"-movers{c[12]}" if len(c) > 12 else "")
+                         + (f"-{c[13]}" if len(c) > 13 else ""))
 def test_tl_kernel_in_the_interpreter_matches_unfused(case):
   proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpret_kernels.py"),
                          *map(str, case)], capture_output=True, text=True, timeout=600,

@@ -64,6 +64,28 @@ def test_fp8_case_stores_b_k_major_and_scales_in_the_epilogue():
   assert [(c.engine, c.block_k) for c in cfgs.values()] == [("tl", 128), ("gluon", 128)]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_float32_product_case_pushes_and_sums_float32_partials(dtype):
+  """`--out-dtype float32` (preferred_element_type=float32): the product, GEMM+RS's partials in
+  the workspaces and XLA's GEMM are float32; the AG still pushes the operands; both engines'
+  configs take the tuner's 128x128 tiles (a float32 128x256 tile does not fit)."""
+  ag, rs = (fixture.Case(op, 4096, 8192, 8192, dtype=dtype, out="float32") for op in ("ag", "rs"))
+  assert ag.out_dtype == rs.out_dtype == rs.piece_dtype == "float32" and ag.piece_dtype == dtype
+  assert fixture.piece_bytes(rs) == 2 * fixture.piece_bytes(fixture.Case("rs", 4096, 8192, 8192))
+  assert ag.label == "4096x8192x8192->float32"
+  for case in (ag, rs):
+    cfgs = cli.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
+    assert {e: (c.block_m, c.block_n) for e, c in cfgs.items()} == {"tl": (128, 128),
+                                                                    "gluon": (128, 128)}
+    a = jax.ShapeDtypeStruct(case.a_shape, fixture.np_dtype(case.dtype))
+    b = jax.ShapeDtypeStruct(case.b_shape, fixture.np_dtype(case.dtype))
+    assert jax.eval_shape(programs.gemm_program(case), a, b).dtype == np.float32
+  with pytest.raises(ValueError, match="narrower than the operands"):
+    fixture.Case("ag", 64, 64, 64, dtype="float32", out="bfloat16")
+  args = cli.parse_args(["rs", "--loopback", "--dtype", dtype, "--out-dtype", "float32"])
+  assert args.out_dtype == "float32"
+
+
 def test_case_rejects_shapes_the_group_cannot_split():
   with pytest.raises(ValueError, match="n=4097 must be divisible by the group size 2"):
     fixture.Case("ag", 4096, 8192, 4097)

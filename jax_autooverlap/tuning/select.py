@@ -115,17 +115,21 @@ def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dty
   return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{name}"
 
 
-def default_kernel(dtype) -> KernelConfig:
+def default_kernel(dtype, out_dtype=None) -> KernelConfig:
   """The config where no measurement names one.  Its engine is $JAX_AUTOOVERLAP_ENGINE if set
   (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl".  fp8
   takes K tiles of 128 (one 128-byte swizzled row per stage, as 64 bf16 columns; the same
-  shared memory per stage)."""
+  shared memory per stage).  A 4-byte output (out_dtype, default the operands') of 16-bit or
+  fp8 operands takes tiles of 128x128: a 128x256 tile of it overflows the output buffer's
+  shared memory (tl AG, Gluon) or the registers (tl GEMM+RS; `unsupported`), and 128x128
+  holds the bytes a 16-bit 128x256 tile has."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
   engine = os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl")
-  if fp8.is_fp8(dtype):
-    return KernelConfig(block_k=128, engine=engine)
-  return KernelConfig(engine=engine)
+  cfg = KernelConfig(block_k=128 if fp8.is_fp8(dtype) else 64, engine=engine)
+  if out_dtype is not None and np.dtype(out_dtype).itemsize == 4:
+    cfg = dataclasses.replace(cfg, block_n=128)
+  return cfg
 
 
 def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfig,
@@ -327,9 +331,10 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
 
 
-def candidate_configs(op: str, model: cost_model.CostModel, dtype) -> list[KernelConfig]:
+def candidate_configs(op: str, model: cost_model.CostModel, dtype,
+                      out_dtype=None) -> list[KernelConfig]:
   """Every config the model can rank: its tile shapes x chunk counts (x movers for AG)."""
-  base = default_kernel(dtype)
+  base = default_kernel(dtype, out_dtype)
   out = []
   for tile in sorted(model.tiles):
     bm, bn, bk = map(int, tile.split("x"))
@@ -345,16 +350,18 @@ def listed_world(world: int) -> int:
   return next((w for w in LISTED_WORLDS if w >= world), LISTED_WORLDS[-1])
 
 
-def default_candidates(op: str, world: int, dtype, compute_capability=None) -> tuple:
+def default_candidates(op: str, world: int, dtype, compute_capability=None,
+                       out_dtype=None) -> tuple:
   """The fixed first-call candidates of a group size (module docstring), the Gluon engine's
-  only where it runs (compute capability 9.0, 16-bit or fp8 operands)."""
+  only where it runs (compute capability 9.0, 16-bit or fp8 operands); in default_kernel's
+  tiles for out_dtype (default the operands')."""
   w = listed_world(world)
   if np.dtype(dtype).itemsize == 4:
     base = default_kernel(dtype)
     first = DEFAULT_TL[op][w][0]
     chunks, movers = first if op == "ag" else (first, base.num_comm)
     return (dataclasses.replace(base, chunks=chunks, num_comm=movers),)
-  base = KernelConfig(block_k=128) if fp8.is_fp8(dtype) else KernelConfig()  # default_kernel's
+  base = dataclasses.replace(default_kernel(dtype, out_dtype), engine="tl")
   out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
       if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
   if str(compute_capability) == GLUON_CAPABILITY:
@@ -377,7 +384,8 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
   predicted: the model's (fused ms of the best tl candidate, unfused ms) or None."""
   rows, k, cols = sizes
   runs = lambda c: unsupported(cfg_rows, k, cols, dtype, out_dtype, c, op) is None
-  fixed = [c for c in default_candidates(op, world, dtype, compute_capability) if runs(c)]
+  fixed = [c for c in default_candidates(op, world, dtype, compute_capability, out_dtype)
+           if runs(c)]
   out_item = np.dtype(out_dtype).itemsize
   tl = lambda configs: [c for c in configs if c.engine == "tl"]  # the model's tile costs are tl's
   if model is None:
@@ -386,12 +394,12 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
     ordered = [c for _, c in model.rank(op, rows, k, cols, tl(fixed), out_item)]
     ordered += [c for c in fixed if c not in ordered]
   else:
-    space = [c for c in candidate_configs(op, model, dtype) if runs(c)]
+    space = [c for c in candidate_configs(op, model, dtype, out_dtype) if runs(c)]
     ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
     ordered += [c for c in fixed if c not in ordered]
   engines = ("tl", "gluon") if (str(compute_capability) == GLUON_CAPABILITY
                                 and np.dtype(dtype).itemsize == 2) else ("tl",)
-  base = next(iter(tl(ordered)), default_kernel(dtype))
+  base = next(iter(tl(ordered)), default_kernel(dtype, out_dtype))
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
            if c not in ordered]
@@ -460,7 +468,7 @@ def _model_verdict(op: str, model, rows: int, k: int, cols: int, dtype, out_dtyp
                    key: str, cfg_rows: int) -> Verdict:
   """The model's choice: its fastest runnable config if that beats its unfused prediction."""
   out_item = np.dtype(out_dtype).itemsize
-  configs = [c for c in candidate_configs(op, model, dtype)
+  configs = [c for c in candidate_configs(op, model, dtype, out_dtype)
              if unsupported(cfg_rows, k, cols, dtype, out_dtype, c, op) is None]
   ranked = model.rank(op, rows, k, cols, configs, out_item)
   unfused = model.unfused_ms(op, rows, k, cols, out_item)
@@ -493,7 +501,7 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
             sizes: tuple[int, int, int], shard_rows: int, dtype, out_dtype,
             why_not: str | None, compute_capability, props) -> Verdict:
   explicit = config.kernel
-  cfg = explicit or default_kernel(dtype)
+  cfg = explicit or default_kernel(dtype, out_dtype)
   why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg, op)
              or split_k_unsupported(cfg, fused_tiles(world, shard_rows, sizes[2], cfg), sizes[1]))
   if why_not:

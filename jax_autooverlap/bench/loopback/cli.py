@@ -37,9 +37,9 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   else:
     v = select.choose_rs(OverlapConfig(autotune=False), device_kind, w, case.m, case.k // w,
                          case.n, dtype, out_dtype)
-  fixed = select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY)
+  fixed = select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY, out_dtype)
   first = lambda engine: next((c for c in fixed if c.engine == engine), None)
-  base = v.kernel or first("tl") or select.default_kernel(dtype)
+  base = v.kernel or first("tl") or select.default_kernel(dtype, out_dtype)
   # a tl pick's movers are CTAs, the Gluon engine's are warps: where the tuner picked tl, the
   # Gluon variant takes the chunks and movers of the group's first Gluon first-call candidate
   gluon = first("gluon")
@@ -424,6 +424,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--dtype", default="bfloat16",
                   help="operand dtype: bfloat16, float16, float32, or float8_e4m3fn / float8_e5m2 "
                        "(fp8 operands, bf16 product, against XLA's fp8 GEMM; default: %(default)s)")
+  ap.add_argument("--out-dtype", default="", choices=["", "float32"],
+                  help="the product's dtype where it is not the default (the operands', bf16 "
+                       "for fp8): float32, as dot_general(..., preferred_element_type=float32)")
   ap.add_argument("--engines", default="tl,gluon",
                   help="fused-kernel engines to time, comma-separated: tl, gluon (gluon on sm_90 "
                        "only; default: %(default)s)")
@@ -532,8 +535,8 @@ def gpus_and_engines(engines_arg: str, what: str):
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   movers, extra = parse_movers(args.movers), parse_variants(args.variant)
-  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world)
-           for s in args.shapes.split(",")]
+  cases = [Case(args.op, *map(int, s.split("x")), dtype=args.dtype, world=args.world,
+                out=args.out_dtype) for s in args.shapes.split(",")]
   gpus, engines = gpus_and_engines(args.engines, "bench --loopback")
   if not gpus:
     return 2
@@ -545,6 +548,7 @@ def main(argv=None) -> int:
     for r in bench_case(case, gpus[0], engines, args.rounds, args.calls, movers,
                         args.first_call_candidates, extra, stages=args.stages):
       records.append({"op": case.op, "m": case.m, "k": case.k, "n": case.n, "dtype": case.dtype,
+                      **({"out_dtype": case.out} if case.out else {}),
                       "world_size": case.world, "mode": "loopback", "local_gemm": list(case.local_gemm),
                       **r, "gpu": gpu, "versions": versions, "date": date})
     if args.trace:

@@ -32,6 +32,7 @@ class Case:
   # Bytes the workspaces have beyond what this call needs, as after growth for a larger call:
   # parity slot 1 then starts later than right after slot 0 (runtime/workspace.py).
   spare: int = 0
+  out: str = ""  # the product's dtype where it is not out_dtype's default (e.g. "float32")
 
   def __post_init__(self):
     if self.op not in ("ag", "rs"):
@@ -40,6 +41,8 @@ class Case:
       raise ValueError(f"world={self.world!r} must be an int >= 1")
     if not isinstance(self.spare, int) or self.spare < 0:
       raise ValueError(f"spare={self.spare!r} must be an int >= 0")
+    if self.out and np_dtype(self.out).itemsize < np_dtype(self.dtype).itemsize:
+      raise ValueError(f"out={self.out!r} is narrower than the operands' {self.dtype}")
     split = {"ag": ("m", "n"), "rs": ("m", "k")}[self.op]
     for name in split:
       if getattr(self, name) % self.world:
@@ -58,8 +61,8 @@ class Case:
 
   @property
   def out_dtype(self) -> str:
-    """The product's dtype: the operands', bf16 for fp8 operands."""
-    return "bfloat16" if self.fp8 else self.dtype
+    """The product's dtype: `out` if given, else the operands', bf16 for fp8 operands."""
+    return self.out or ("bfloat16" if self.fp8 else self.dtype)
 
   @property
   def b_shape(self):
@@ -96,7 +99,7 @@ class Case:
 
   @property
   def label(self):
-    return f"{self.m}x{self.k}x{self.n}"
+    return f"{self.m}x{self.k}x{self.n}" + (f"->{self.out}" if self.out else "")
 
 
 def piece_bytes(case: Case) -> int:

@@ -72,11 +72,13 @@ def engine_program(kernel, num_sms: int, compute_capability: int | None = None,
 
 
 def gemm_program(case: Case | None = None):
-  """XLA's GEMM of the local work: a @ b, or for fp8 operands the fp8 GEMM a @ b^T into bf16."""
+  """XLA's GEMM of the local work into the case's product dtype: a @ b, or for fp8 operands
+  the fp8 GEMM a @ b^T."""
   import jax
   import jax.numpy as jnp
   from jax import lax
+  out = None if case is None else jnp.dtype(np_dtype(case.out_dtype))
   if case is not None and case.fp8:
     return jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                                preferred_element_type=jnp.bfloat16))
-  return jax.jit(lambda a, b: a @ b)
+                                                preferred_element_type=out))
+  return jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out))
