@@ -141,13 +141,24 @@ def wide_output_configs() -> list:
   4-byte product (preferred_element_type=float32) of bf16 or fp8 e4m3 operands, one per kind
   of config (select.small_class: engine, tiles, split, packing), at the first entry of the
   shape list that selects it (with the H200 model and without one, as list_configs): the
-  kernels' float32 output tile, pushes and sums."""
+  kernels' float32 output tile, pushes and sums.  The Gluon engine's too, as a first call will
+  time them once select.GLUON_WIDE_OUTPUT is on."""
+  from jax_autooverlap.tuning import select
+  out, seen = [], set()
+  wide, select.GLUON_WIDE_OUTPUT = select.GLUON_WIDE_OUTPUT, True
+  try:
+    _wide_output_configs(out, seen)
+  finally:
+    select.GLUON_WIDE_OUTPUT = wide
+  return out
+
+
+def _wide_output_configs(out, seen):
   import jax.numpy as jnp
   import numpy as np
   from jax_autooverlap.bench import shapes
   from jax_autooverlap.tuning import model as cost_model
   from jax_autooverlap.tuning import select
-  out, seen = [], set()
   for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
     name = np.dtype(dtype).name
     for e in shapes.load():
@@ -163,7 +174,6 @@ def wide_output_configs() -> list:
           if kind not in seen:
             seen.add(kind)
             out.append((e.op, name, cfg, w, case.a_shape + (case.b_shape[1],)))
-  return out
 
 
 def cases():

@@ -220,11 +220,13 @@ def test_fixed_candidates_per_group_size_and_engine():
 
 @pytest.mark.parametrize("dtype", [BF16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_a_float32_product_of_narrower_operands_is_measured_in_tiles_that_hold_it(op, dtype):
+def test_a_float32_product_of_narrower_operands_is_measured_in_tiles_that_hold_it(
+    monkeypatch, op, dtype):
   """dot_general(..., preferred_element_type=float32) of bf16 or fp8 operands: the usual
   128x256 tiles cannot hold a float32 output tile (tl AG and Gluon: shared memory; tl GEMM+RS:
-  registers), so the default config and each engine's fixed candidates take 128x128 tiles,
-  and a first call times both engines; before, every call was refused at the default tile."""
+  registers), so the default config and each engine's fixed candidates take 128x128 tiles;
+  before, every call was refused at the default tile.  A first call times the tl engine, and
+  the Gluon one too once select.GLUON_WIDE_OUTPUT is on (after its GPU tests)."""
   f32 = np.float32
   usual = select.default_kernel(dtype)
   assert select.unsupported(1024, 4096, 4096, dtype, f32, usual, op) is not None
@@ -232,6 +234,9 @@ def test_a_float32_product_of_narrower_operands_is_measured_in_tiles_that_hold_i
   assert (wide.block_m, wide.block_n, wide.block_k) == (128, 128, usual.block_k)
   assert select.unsupported(1024, 4096, 4096, dtype, f32, wide, op) is None
   assert select.default_kernel(dtype, dtype if dtype == BF16 else BF16) == usual
+  assert {c.engine for c in select.default_candidates(op, 8, dtype, "9.0", f32)} == {"tl"}
+  assert "gluon" in {c.engine for c in select.default_candidates(op, 8, dtype, "9.0", BF16)}
+  monkeypatch.setattr(select, "GLUON_WIDE_OUTPUT", True)
   for w in (2, 4, 8):
     fixed = select.default_candidates(op, w, dtype, "9.0", f32)
     assert [c.engine for c in fixed] == [c.engine for c in
