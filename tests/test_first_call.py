@@ -340,6 +340,13 @@ def test_cache_key_names_kind_group_size_shape_and_dtype():
   r = select.choose_rs(ao.OverlapConfig(), H200, 8, 8192, 512, 4096, BF16, BF16)
   assert v.key == "ag|NVIDIA H200|w8|8192x4096x4096|bfloat16"  # the global M x K x N
   assert r.key == "rs|NVIDIA H200|w8|8192x4096x4096|bfloat16"
+  # a product other than the default (the operands'; bf16 for fp8) is named
+  r = select.choose_rs(ao.OverlapConfig(), H200, 8, 8192, 512, 4096, BF16, np.float32)
+  assert r.key == "rs|NVIDIA H200|w8|8192x4096x4096|bfloat16->float32"
+  e4 = jnp.float8_e4m3fn
+  assert select.cache_key("ag", H200, 2, 64, 64, 64, e4, None, BF16).endswith("|float8_e4m3fn")
+  assert select.cache_key("ag", H200, 2, 64, 64, 64, e4, None, np.float32).endswith(
+      "|float8_e4m3fn->float32")
 
 
 # --- planning and explain (CPU devices planned as GPUs, fake programs) ----------------------
@@ -420,6 +427,29 @@ def test_first_call_measures_once_records_and_explain_never_measures(gpu_planned
   impl, _, why = plan("ag_rows", ao.OverlapConfig(), 2, other, BF16, BF16, mesh, axis_name="x",
                       may_time=True)
   assert impl == "unfused" and why.code == "never_measured" and compiled == []
+
+
+def test_a_float32_product_has_its_own_verdict(gpu_planned, monkeypatch, tmp_path):
+  """The same sizes with a float32 product (preferred_element_type=float32) are measured on
+  their own, in their own tiles, and keyed "bfloat16->float32": the bf16 product's verdict
+  (128x256 tiles, which cannot hold a float32 tile) never answers for them."""
+  mesh, sizes = cpu_mesh((2,), ("x",)), (1, 2048, 8192, 5120)
+  compiled = fake_programs(monkeypatch, lambda k: 1.0 if k is None else 0.5)
+  impl, gpu, _ = plan("ag_rows", ao.OverlapConfig(), 2, sizes, BF16, BF16, mesh, axis_name="x",
+                      may_time=True)
+  assert impl == "triton" and gpu.kernel.block_n == 256
+  compiled.clear()
+  impl, gpu, why = plan("ag_rows", ao.OverlapConfig(), 2, sizes, BF16, np.float32, mesh,
+                        axis_name="x", may_time=True)
+  assert None in compiled and len(compiled) > 1  # measured again, not the bf16 verdict
+  assert impl == "triton" and gpu.kernel.block_n == 128, why
+  kernels = [k for k in compiled if k is not None]
+  assert all(select.unsupported(2048, 8192, 5120, BF16, np.float32, k) is None for k in kernels)
+  assert measure.describe_call("ag_rows", 2, sizes[1:], BF16, None, np.float32) == \
+      "ag 4096x8192x10240 bf16 -> f32 on 2 GPUs"
+  keys = set(json.loads((tmp_path / "tuning-ag.json").read_text()))
+  assert keys == {"ag|cpu|w2|4096x8192x10240|bfloat16",
+                  "ag|cpu|w2|4096x8192x10240|bfloat16->float32"}
 
 
 def test_a_unfused_verdict_and_a_failed_measurement(gpu_planned, monkeypatch, tmp_path):
@@ -547,6 +577,39 @@ def test_first_call_measures_fp8_matmuls_within_the_formats_bound(gpu_planned, m
   assert kernels and all(k.block_k == 128 for k in kernels)
   # the bound is the formats' (a few 1e-3 at this K)
   assert measure.tolerance(e4, BF16, 256) < 0.01
+
+
+def test_first_call_measures_a_float32_product_of_bf16_operands(gpu_planned, monkeypatch,
+                                                                 tmp_path):
+  """ao.jit of a TP block whose matmuls give float32 (preferred_element_type): both fused ops
+  are measured on their first call on the tl engine in tiles that hold a float32 tile
+  (128x128, and at this small M the narrow ones), every candidate checked against the f32
+  product (none fails), and the result is the unfused program's."""
+  monkeypatch.setattr(autotune, "ROUNDS", 3)
+  monkeypatch.setattr(autotune, "ROUND_MS", 1.0)
+  mesh = cpu_mesh((2,), ("x",))
+
+  def body(x, w1, w2):
+    h = lax.dot(lax.all_gather(x, "x", axis=0, tiled=True), w1, preferred_element_type=np.float32)
+    y = lax.dot(h.astype(BF16), w2, preferred_element_type=np.float32)
+    return lax.psum_scatter(y, "x", scatter_dimension=0, tiled=True)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x")), out_specs=P("x"))
+  k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+  put = lambda a, spec: jax.device_put(a.astype(BF16), NamedSharding(mesh, spec))
+  x = put(jax.random.normal(k1, (256, 128)), P("x"))
+  w1 = put(jax.random.normal(k2, (128, 256)) / 16, P(None, "x"))
+  w2 = put(jax.random.normal(k3, (256, 128)) / 16, P("x"))
+  out = ao.jit(f)(x, w1, w2)
+  want = jax.jit(f)(x, w1, w2)
+  assert out.dtype == np.float32
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-2, atol=2e-2)
+  for op in ("ag", "rs"):
+    (key, entry), = json.loads((tmp_path / f"tuning-{op}.json").read_text()).items()
+    assert key.endswith("|bfloat16->float32") and not entry.get("failed"), (key, entry)
+  kernels = [k for _, k in gpu_planned if k is not None]
+  assert {k.engine for k in kernels} == {"tl"}  # (Gluon: select.GLUON_WIDE_OUTPUT)
+  assert (128, 128) in {(k.block_m, k.block_n) for k in kernels}  # and at this small M, the
+  assert all(k.block_m * k.block_n <= 128 * 128 for k in kernels)  # narrow tiles and split-K
 
 
 def test_a_mixed_format_fp8_matmul_is_measured_in_both_its_formats(gpu_planned, monkeypatch,

@@ -212,14 +212,18 @@ def shared_gpus(mesh, agreement) -> str | None:
           "which NCCL refuses")
 
 
-def describe_call(op: str, world: int, sizes, dtype, b_dtype=None) -> str:
+def describe_call(op: str, world: int, sizes, dtype, b_dtype=None, out_dtype=None) -> str:
   """ "ag 8192x4096x4096 bf16 on 8 GPUs": the global M x K x N as the benchmarks name shapes
-  (two formats, "float8_e5m2 x float8_e4m3fn", where the operands' differ)."""
+  (two formats, "float8_e5m2 x float8_e4m3fn", where the operands' differ; "bf16 -> f32" where
+  the product is not the default, as the verdict's key says)."""
   rows, k, cols = sizes
   m, kk, n = (world * rows, k, world * cols) if op == "ag_rows" else (rows, world * k, cols)
   short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
   names = [np.dtype(d).name for d in (dtype, b_dtype) if d is not None]
   names = " x ".join(short.get(x, x) for x in dict.fromkeys(names))
+  if select.wide_product(dtype, out_dtype):
+    out = np.dtype(out_dtype).name
+    names += f" -> {short.get(out, out)}"
   return f"{op[:2]} {m}x{kk}x{n} {names} on {world} GPUs"
 
 
@@ -237,7 +241,7 @@ def first_call(op: str, verdict: select.Verdict, mesh, axis_name, sizes, dtype, 
   processes = sorted({d.process_index for d in devices.flat})
   tag = "first-call/{}/{}/{}".format(re.sub(r"[^\w.|x-]", "_", verdict.key),
                                      hashlib.sha256(ids.encode()).hexdigest()[:12], count)
-  what = describe_call(op, mesh.shape[axis_name], sizes, dtype, b_dtype)
+  what = describe_call(op, mesh.shape[axis_name], sizes, dtype, b_dtype, out_dtype)
   agreement = _Agreement(tag, processes, f"first-call measurement of {what}")
 
   def programs():  # compiled in several threads (autotune.compile_all): no import may race there

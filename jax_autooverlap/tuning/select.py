@@ -111,13 +111,23 @@ class Verdict:
 
 
 def cache_key(op: str, device_kind: str, world: int, m: int, k: int, n: int, dtype,
-              b_dtype=None) -> str:
+              b_dtype=None, out_dtype=None) -> str:
   """The tuning cache's key of a call; b_dtype: the second operand's format where it differs
-  (two fp8 formats: "float8_e5m2xfloat8_e4m3fn"), so each pairing keeps its own verdict."""
+  (two fp8 formats: "float8_e5m2xfloat8_e4m3fn"), so each pairing keeps its own verdict;
+  out_dtype: the product's where it is not the default (the operands'; bf16 for fp8), e.g.
+  "bfloat16->float32": its kernels differ (select.default_kernel), so does its verdict."""
   name = np.dtype(dtype).name
   if b_dtype is not None and np.dtype(b_dtype) != np.dtype(dtype):
     name += f"x{np.dtype(b_dtype).name}"
+  if wide_product(dtype, out_dtype):
+    name += f"->{np.dtype(out_dtype).name}"
   return f"{op}|{device_kind}|w{world}|{m}x{k}x{n}|{name}"
+
+
+def wide_product(dtype, out_dtype) -> bool:
+  """Whether the product is not the default of `dtype`'s operands (theirs; bf16 for fp8)."""
+  default = "bfloat16" if fp8.is_fp8(dtype) else np.dtype(dtype).name
+  return out_dtype is not None and np.dtype(out_dtype).name != default
 
 
 def default_kernel(dtype, out_dtype=None) -> KernelConfig:
@@ -558,7 +568,7 @@ def choose_rs(config: OverlapConfig, device_kind: str, world: int, m: int, k: in
   compute_capability: the GPUs' ("9.0"), for the engines the first call may time; props: the
   device's properties as read (model.DeviceProps), for a model derived for its kind; b_dtype:
   b's format where it differs from a's (cache_key)."""
-  key = cache_key("rs", device_kind, world, m, k * world, n, dtype, b_dtype)
+  key = cache_key("rs", device_kind, world, m, k * world, n, dtype, b_dtype, out_dtype)
   why_not = f"M={m} is not divisible by the axis size {world}" if m % world else None
   return _choose("rs", config, device_kind, world, key, (m, k, n), m // world, dtype, out_dtype,
                  why_not, compute_capability, props)
@@ -569,6 +579,7 @@ def choose_ag(config: OverlapConfig, device_kind: str, world: int, m_shard: int,
               b_dtype=None) -> Verdict:
   """Kernel config for all_gather(rows) @ b with per-device shapes a[m_shard, k], b[k, n]
   (keywords as choose_rs)."""
-  key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype, b_dtype)
+  key = cache_key("ag", device_kind, world, m_shard * world, k, n * world, dtype, b_dtype,
+                  out_dtype)
   return _choose("ag", config, device_kind, world, key, (m_shard, k, n), m_shard, dtype,
                  out_dtype, None, compute_capability, props)
