@@ -141,15 +141,9 @@ def wide_output_configs() -> list:
   4-byte product (preferred_element_type=float32) of bf16 or fp8 e4m3 operands, one per kind
   of config (select.small_class: engine, tiles, split, packing), at the first entry of the
   shape list that selects it (with the H200 model and without one, as list_configs): the
-  kernels' float32 output tile, pushes and sums.  The Gluon engine's too, as a first call will
-  time them once select.GLUON_WIDE_OUTPUT is on."""
-  from jax_autooverlap.tuning import select
+  kernels' float32 output tile, pushes and sums, on both engines."""
   out, seen = [], set()
-  wide, select.GLUON_WIDE_OUTPUT = select.GLUON_WIDE_OUTPUT, True
-  try:
-    _wide_output_configs(out, seen)
-  finally:
-    select.GLUON_WIDE_OUTPUT = wide
+  _wide_output_configs(out, seen)
   return out
 
 

@@ -262,17 +262,14 @@ def test_small_shape_variants_match_unfused(label_case_name):
     ("ag", (600, 1024, 1280), 4, "bfloat16"), ("rs", (1200, 1024, 1280), 4, "bfloat16"),
     ("ag", (4096, 8192, 8192), 2, "float8_e4m3fn"), ("rs", (4096, 8192, 8192), 2, "float8_e4m3fn")],
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
-def test_float32_products_match_unfused(monkeypatch, engine, op, shape, world, dtype):
+def test_float32_products_match_unfused(engine, op, shape, world, dtype):
   """A float32 product of bf16 or fp8 operands (preferred_element_type=float32): every config a
   first call times for it on this engine (select.default_kernel's 128x128 tiles and, at small
-  M, the narrow tiles, split-K and packed shards; Gluon's as with select.GLUON_WIDE_OUTPUT on,
-  which waits for this test), as rank 0 of its group: the output (poisoned first) in float32
-  within the operands' error of the f32 product, GEMM+RS's partials pushed and summed in
-  float32, a bit-identical second call."""
+  M, the narrow tiles, split-K and packed shards), as rank 0 of its group: the output
+  (poisoned first) in float32 within the operands' error of the f32 product, GEMM+RS's
+  partials pushed and summed in float32, a bit-identical second call."""
   from jax_autooverlap.bench.loopback import cli
   from jax_autooverlap.runtime import cuda
-  from jax_autooverlap.tuning import select
-  monkeypatch.setattr(select, "GLUON_WIDE_OUTPUT", True)
   if dtype != "bfloat16" and "gluon" not in ENGINES:
     pytest.skip("fp8 wgmma kernels are for sm_90")
   case = lb.Case(op, *shape, dtype=dtype, world=world, out="float32")

@@ -62,11 +62,6 @@ SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "spl
                ("gluon", "plain", 128, 128), ("tl", "packed", 64, 256),
                ("tl", "plain", 128, 128), ("tl", "plain", 64, 128))
 GLUON_CAPABILITY = "9.0"
-# A float32 product of narrower operands on the Gluon engine: compiled without spills, never
-# run on a GPU (the tl kernels' values are checked in Triton's CPU interpreter; Gluon has no
-# interpreter), so a first call does not time it until its GPU tests have passed
-# (tests/test_gpu_loopback.py -k float32_products).
-GLUON_WIDE_OUTPUT = False
 # The fixed candidates per group size (2, 4, 8; others take the next larger listed size).
 # tl engine: (chunks per peer's shard, mover CTAs) for AG, chunks for GEMM+RS.  Shards shrink
 # as the group grows (M / w rows each), so fewer chunks per peer at 8; a GPU's pushes to any
@@ -379,7 +374,7 @@ def default_candidates(op: str, world: int, dtype, compute_capability=None,
   base = dataclasses.replace(default_kernel(dtype, out_dtype), engine="tl")
   out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
       if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
-  if gluon_candidate(dtype, out_dtype, compute_capability):
+  if gluon_candidate(dtype, compute_capability):
     gluon = dataclasses.replace(base, engine="gluon")
     if op == "ag":
       out += [dataclasses.replace(gluon, chunks=c, num_comm=m) for c, m in DEFAULT_GLUON["ag"][w]]
@@ -389,12 +384,10 @@ def default_candidates(op: str, world: int, dtype, compute_capability=None,
   return tuple(out)
 
 
-def gluon_candidate(dtype, out_dtype, compute_capability) -> bool:
-  """Whether a first call times the Gluon engine: sm_90, 16-bit or fp8 operands, and a product
-  no wider than 16 bits unless GLUON_WIDE_OUTPUT."""
-  if str(compute_capability) != GLUON_CAPABILITY or np.dtype(dtype).itemsize > 2:
-    return False
-  return GLUON_WIDE_OUTPUT or out_dtype is None or np.dtype(out_dtype).itemsize <= 2
+def gluon_candidate(dtype, compute_capability) -> bool:
+  """Whether a first call times the Gluon engine: sm_90 and 16-bit or fp8 operands (with a
+  product of their width or float32: tests/test_gpu_loopback.py -k float32_products)."""
+  return str(compute_capability) == GLUON_CAPABILITY and np.dtype(dtype).itemsize <= 2
 
 
 def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int], cfg_rows: int,
@@ -420,7 +413,7 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
     space = [c for c in candidate_configs(op, model, dtype, out_dtype) if runs(c)]
     ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
     ordered += [c for c in fixed if c not in ordered]
-  engines = ("tl", "gluon") if (gluon_candidate(dtype, out_dtype, compute_capability)
+  engines = ("tl", "gluon") if (gluon_candidate(dtype, compute_capability)
                                 and np.dtype(dtype).itemsize == 2) else ("tl",)
   base = next(iter(tl(ordered)), default_kernel(dtype, out_dtype))
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
