@@ -475,17 +475,20 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   for a large shape."""
   small = fixture.Case("rs", 128, 4096, 4096, world=8)  # 16 output rows per owner
   got = cli.fused_variants(small, "NVIDIA H200", ["tl", "gluon"], 132)
-  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128", "tl-64x256", "tl-64x128",
-                       "gluon-128x128", "gluon-64x256", "gluon-64x128", "tl-128x128-k4-p",
-                       "tl-64x256-k4-p"]
-  assert [got[n].num_warps for n in ("tl-64x256", "tl-64x128", "gluon-64x256")] == [8, 4, 4]
+  # each small config in its deepest pipeline (select.deepest_stages: GEMM+RS's tl kernels
+  # keep no output tile in shared memory, the Gluon ones do)
+  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128-s7", "tl-64x256-s5",
+                       "tl-64x128-s8", "gluon-128x128-s6", "gluon-64x256-s4", "gluon-64x128-s8",
+                       "tl-128x128-k4-p-s7", "tl-64x256-k4-p-s5"]
+  assert [got[n].num_warps for n in ("tl-64x256-s5", "tl-64x128-s8", "gluon-64x256-s4")] == [
+      8, 4, 4]
   # 8 x 1 x 16 = 128 tiles of 64x128 tiles: too many for split-K's counters; packed, the 8
   # owners' 16 rows are 32 tiles of 128x128 (x 4 parts) or 64x256
-  assert all(c.split_k == 1 for n, c in got.items() if not n.endswith("-p"))
+  assert all(c.split_k == 1 for c in got.values() if not c.pack_shards)
   qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # 16-row shards, 768 columns
   got = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
-  assert list(got)[-3:] == ["tl-64x128-k2", "tl-128x128-k8-p", "tl-64x256-k8-p"]
-  assert got["tl-64x128-k2"].split_k == 2 and got["tl-128x128-k8-p"].pack_shards
+  assert list(got)[-3:] == ["tl-64x128-k2-s8", "tl-128x128-k8-p-s7", "tl-64x256-k8-p-s5"]
+  assert got["tl-64x128-k2-s8"].split_k == 2 and got["tl-128x128-k8-p-s7"].pack_shards
   assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
                                  ["tl", "gluon"], 132)) == ["tl", "gluon"]
   assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
@@ -562,7 +565,12 @@ def test_stages_add_each_variant_in_deeper_pipelines_where_its_shared_memory_fit
   not; the depths are parsed strictly."""
   from jax_autooverlap.tuning import select
   qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # Llama-3-8B Q/K/V, TP 8, M = 128
-  base = cli.fused_variants(qkv, "NVIDIA H200", ["tl", "gluon"], 132)
+  base = {"tl": KernelConfig(num_comm=32),
+          "tl-64x128-k2": KernelConfig(block_m=64, block_n=128, num_warps=4, split_k=2,
+                                       num_comm=32),
+          "tl-128x128-k8-p": KernelConfig(block_m=128, block_n=128, split_k=8,
+                                          pack_shards=True, num_comm=32),
+          "gluon-128x128": KernelConfig(engine="gluon", block_m=128, block_n=128, num_comm=64)}
   got = cli.with_stages(qkv, base, (4, 6))
   assert list(got)[:len(base)] == list(base) and all(got[n] == base[n] for n in base)
   for name, cfg in base.items():
@@ -695,7 +703,7 @@ assert not errors
   assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("fastest", ["tl-128x128-k8-p", "tl-64x256-k8-p"])
+@pytest.mark.parametrize("fastest", ["tl-128x128-k8-p-s7", "tl-64x256-k8-p-s5"])
 def test_bench_case_times_ours_tl_alone_and_records_it(monkeypatch, fastest):
   """bench_case's orchestration, the GPU parts faked: every distinct tl variant also runs alone
   (its config unpacked, on a group of one with its own operands, checked, then timed in the
@@ -751,7 +759,7 @@ def test_bench_case_times_ours_tl_alone_and_records_it(monkeypatch, fastest):
                                             for c in variants.values()})  # each config once
   assert all(k == cli.alone_case(case) for k, _ in built if k.world == 1)
   assert records["ours_tl"]["kernel"] == dataclasses.asdict(variants[fastest])
-  if fastest == "tl-64x256-k8-p":  # its alone run was wrong: not timed, no record
+  if fastest == "tl-64x256-k8-p-s5":  # its alone run was wrong: not timed, no record
     assert "engine_alone_tl" not in records
   else:
     record = records["engine_alone_tl"]

@@ -38,6 +38,11 @@ from jax_autooverlap.tuning.config import KernelConfig, OverlapConfig, autotune_
 SMEM_LIMIT = 227 * 1024  # a CTA's shared memory on sm_90 (opt-in maximum)
 SMEM_SLACK = 1024        # shared_memory's allowance for barriers and alignment
 GLUON_STAGING_BOX = 8 * 1024  # kernels/gluon_ag_gemm.py box_cols: a mover's staging box
+# The small shapes' configs (small_shape_configs) run the most operand stages that fit, up to
+# MAX_STAGES: their main loops wait on memory (one CTA per SM, 3 stages: ~0.58 us a k-block at
+# 128x128 and 64x256 against the tensor cores' 0.28; docs/NOTES.md), as cuBLAS's small-M
+# kernels on H200 run 4-8 stages.
+MAX_STAGES = 8
 KERNEL_DTYPES = ("bfloat16", "float16", "float32", *fp8.FP8_DTYPES)
 # The configs the model ranks (per tile shape it has a cost for): the
 # benchmark's sweep plus 2 and 16 chunks, the default config first (the
@@ -303,8 +308,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   """Configs worth timing beside `base` where its tiles leave SMs idle (fewer than SMALL_WAVES
   waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
   K = k): per engine, the SMALL_TILES (tile_warps), on `tl` split-K over the smallest
-  tile whose tiles fit its counters, and the base with its second wave split where that wave
-  is short (tail_split_config).  Chunks and movers stay the base's (a shard of one row tile
+  tile whose tiles fit its counters, each in its deepest pipeline (deepest_stages), and the
+  base with its second wave split where that wave is short (tail_split_config).  Chunks and movers stay the base's (a shard of one row tile
   is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
   measurements)."""
   if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
@@ -337,8 +342,19 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
         break
   if "tl" in engines:
     out += [c for c in packed_configs(op, world, shard_rows, k, n, base, num_sms) if fits(c)]
+  sizes = np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize
+  out = [deepest_stages(c, op, *sizes) for c in out]
   tail = tail_split_config(op, world, shard_rows, k, n, base, num_sms) if "tl" in engines else None
   return out + ([tail] if tail is not None and fits(tail) and tail not in out else [])
+
+
+def deepest_stages(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> KernelConfig:
+  """`cfg` with the most operand stages, at most MAX_STAGES and no fewer than its own, whose
+  shared memory fits a CTA (shared_memory)."""
+  deeper = [s for s in range(cfg.num_stages, MAX_STAGES + 1)
+            if shared_memory(dataclasses.replace(cfg, num_stages=s), op, in_bytes,
+                             out_bytes) <= SMEM_LIMIT]
+  return dataclasses.replace(cfg, num_stages=max(deeper, default=cfg.num_stages))
 
 
 def candidate_configs(op: str, model: cost_model.CostModel, dtype,
