@@ -475,20 +475,20 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   for a large shape."""
   small = fixture.Case("rs", 128, 4096, 4096, world=8)  # 16 output rows per owner
   got = cli.fused_variants(small, "NVIDIA H200", ["tl", "gluon"], 132)
-  # each small config in its deepest pipeline (select.deepest_stages: GEMM+RS's tl kernels
-  # keep no output tile in shared memory, the Gluon ones do)
-  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128-s7", "tl-64x256-s5",
-                       "tl-64x128-s8", "gluon-128x128-s6", "gluon-64x256-s4", "gluon-64x128-s8",
-                       "tl-128x128-k4-p-s7", "tl-64x256-k4-p-s5"]
-  assert [got[n].num_warps for n in ("tl-64x256-s5", "tl-64x128-s8", "gluon-64x256-s4")] == [
+  # each small config in its deepest pipeline up to select.MAX_STAGES = 6 (deepest_stages:
+  # 64x256 fits 5 in tl, whose GEMM+RS keeps no output tile in shared memory, 4 in Gluon)
+  assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128-s6", "tl-64x256-s5",
+                       "tl-64x128-s6", "gluon-128x128-s6", "gluon-64x256-s4", "gluon-64x128-s6",
+                       "tl-128x128-k4-p-s6", "tl-64x256-k4-p-s5"]
+  assert [got[n].num_warps for n in ("tl-64x256-s5", "tl-64x128-s6", "gluon-64x256-s4")] == [
       8, 4, 4]
   # 8 x 1 x 16 = 128 tiles of 64x128 tiles: too many for split-K's counters; packed, the 8
   # owners' 16 rows are 32 tiles of 128x128 (x 4 parts) or 64x256
   assert all(c.split_k == 1 for c in got.values() if not c.pack_shards)
   qkv = fixture.Case("ag", 128, 4096, 6144, world=8)  # 16-row shards, 768 columns
   got = cli.fused_variants(qkv, "NVIDIA H200", ["tl"], 132)
-  assert list(got)[-3:] == ["tl-64x128-k2-s8", "tl-128x128-k8-p-s7", "tl-64x256-k8-p-s5"]
-  assert got["tl-64x128-k2-s8"].split_k == 2 and got["tl-128x128-k8-p-s7"].pack_shards
+  assert list(got)[-3:] == ["tl-64x128-k2-s6", "tl-128x128-k8-p-s6", "tl-64x256-k8-p-s5"]
+  assert got["tl-64x128-k2-s6"].split_k == 2 and got["tl-128x128-k8-p-s6"].pack_shards
   assert list(cli.fused_variants(fixture.Case("ag", 16384, 8192, 8192), "NVIDIA H200",
                                  ["tl", "gluon"], 132)) == ["tl", "gluon"]
   assert cli.variant_name(KernelConfig(engine="gluon", wg_partitions=True)) == "gluon_wg"
@@ -703,7 +703,7 @@ assert not errors
   assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("fastest", ["tl-128x128-k8-p-s7", "tl-64x256-k8-p-s5"])
+@pytest.mark.parametrize("fastest", ["tl-128x128-k8-p-s6", "tl-64x256-k8-p-s5"])
 def test_bench_case_times_ours_tl_alone_and_records_it(monkeypatch, fastest):
   """bench_case's orchestration, the GPU parts faked: every distinct tl variant also runs alone
   (its config unpacked, on a group of one with its own operands, checked, then timed in the

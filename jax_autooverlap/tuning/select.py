@@ -40,9 +40,12 @@ SMEM_SLACK = 1024        # shared_memory's allowance for barriers and alignment
 GLUON_STAGING_BOX = 8 * 1024  # kernels/gluon_ag_gemm.py box_cols: a mover's staging box
 # The small shapes' configs (small_shape_configs) run the most operand stages that fit, up to
 # MAX_STAGES: their main loops wait on memory (one CTA per SM, 3 stages: ~0.58 us a k-block at
-# 128x128 and 64x256 against the tensor cores' 0.28; docs/NOTES.md), as cuBLAS's small-M
-# kernels on H200 run 4-8 stages.
-MAX_STAGES = 8
+# 128x128 and 64x256 against the tensor cores' 0.28), as cuBLAS's small-M kernels on H200 run
+# 4-8 stages.  Measured (one H200, 22 small-M entries of TP 4 and 8, 23 configs, 3-8 stages,
+# docs/NOTES.md, twentieth session): ours at the deepest fitting depth up to 6 took 0.888 of
+# 3 stages' time (geometric mean; up to 4: 0.903, 5: 0.886, 8: 0.895), within 3 % of the
+# best depth measured on every config (up to 8: 3 configs were not).
+MAX_STAGES = 6
 KERNEL_DTYPES = ("bfloat16", "float16", "float32", *fp8.FP8_DTYPES)
 # The configs the model ranks (per tile shape it has a cost for): the
 # benchmark's sweep plus 2 and 16 chunks, the default config first (the
@@ -309,8 +312,8 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   waves of output tiles: shard_rows rows of each of `world` sources or owners, n columns;
   K = k): per engine, the SMALL_TILES (tile_warps), on `tl` split-K over the smallest
   tile whose tiles fit its counters, each in its deepest pipeline (deepest_stages), and the
-  base with its second wave split where that wave is short (tail_split_config).  Chunks and movers stay the base's (a shard of one row tile
-  is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
+  base with its second wave split where that wave is short (tail_split_config).  Chunks and
+  movers stay the base's (a shard of one row tile is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
   measurements)."""
   if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
     return []
