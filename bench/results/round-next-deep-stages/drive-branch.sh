@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran 2026-12-05 (bench/results/round-2026-12-05-a/call3-deep-stages-branch/); the branch is merged
+# (MAX_STAGES = 6) and its patch removed (git show fa0ffcb:bench/results/round-next-deep-stages/).
 # Second GPU call of the next session, only if drive.sh (on main) showed deeper pipelines faster
 # at small M (carry [".whl"]), on branch deep-stages (or main with `git apply
 # bench/results/round-next-deep-stages/deep-stages.patch`): the small-shape configs
