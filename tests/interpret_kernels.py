@@ -16,11 +16,11 @@ into the row tiles (KernelConfig.pack_shards).  RANK: the kernel runs as that ra
 group (default 0; the peers' pieces and counters made here, not by the benchmark's
 fixture).  NUM_COMM: the AG's movers (default 2; more split a small shard's pushes into
 column parts, launch.copy_block).  OUT: the product's dtype (default float16, the
-operands'; float32 as preferred_element_type=float32 gives it).  The interpreter runs the CTAs one after another, so
-this checks what the kernel computes and where it writes (tile order, split-K's parts and
-sums, the counters left zero), not the memory ordering between CTAs or GPUs.  The interpreter
-has no inline assembly: the system-scope acquire load is a plain load here, the proxy fence
-and the clock nothing.
+operands'; float32 as preferred_element_type=float32 gives it).  The interpreter runs the
+CTAs one after another, so this checks what the kernel computes and where it writes (tile
+order, split-K's parts and sums, the counters left zero), not the memory ordering between
+CTAs or GPUs.  The interpreter has no inline assembly: the system-scope acquire load is a
+plain load here, the proxy fence and the clock nothing.
 Prints one line: OK, or what differed.
 """
 import os

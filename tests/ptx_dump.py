@@ -142,17 +142,12 @@ def wide_output_configs() -> list:
   of config (select.small_class: engine, tiles, split, packing), at the first entry of the
   shape list that selects it (with the H200 model and without one, as list_configs): the
   kernels' float32 output tile, pushes and sums, on both engines."""
-  out, seen = [], set()
-  _wide_output_configs(out, seen)
-  return out
-
-
-def _wide_output_configs(out, seen):
   import jax.numpy as jnp
   import numpy as np
   from jax_autooverlap.bench import shapes
   from jax_autooverlap.tuning import model as cost_model
   from jax_autooverlap.tuning import select
+  out, seen = [], set()
   for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
     name = np.dtype(dtype).name
     for e in shapes.load():
@@ -168,6 +163,7 @@ def _wide_output_configs(out, seen):
           if kind not in seen:
             seen.add(kind)
             out.append((e.op, name, cfg, w, case.a_shape + (case.b_shape[1],)))
+  return out
 
 
 def cases():
