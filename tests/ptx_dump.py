@@ -101,38 +101,46 @@ def candidate_configs() -> list:
 
 
 def list_configs() -> list:
-  """(op, KernelConfig, world, local shape (rows of a[rows, K], K, N)) of every first-call
-  candidate that an entry of the shape list (jax_autooverlap/bench/data/llm_shapes.json) adds
-  for small shapes (select.small_shape_configs: narrower tiles on both engines, split-K on tl;
-  as select.first_call_candidates proposes them on sm_90 for bf16, with the H200 model and
-  without one), at the first entry that selects it: what the compile tests check."""
+  """(op, dtype name, KernelConfig, world, local shape (rows of a[rows, K], K, N)) of every
+  first-call candidate that an entry of the shape list (jax_autooverlap/bench/data/
+  llm_shapes.json) adds for small shapes (select.small_shape_configs: narrower tiles on both
+  engines, split-K and packed shards on tl; as select.first_call_candidates proposes them on
+  sm_90 for bf16 and fp8 e4m3, with the H200 model and without one), at the first entry that
+  selects it: what the compile tests check."""
   import jax.numpy as jnp
+  import numpy as np
+  from jax_autooverlap import fp8
   from jax_autooverlap.bench import shapes
   from jax_autooverlap.tuning import model as cost_model
   from jax_autooverlap.tuning import select
-  bf16 = jnp.bfloat16
   out, seen = [], set()
-  for e in shapes.load():
-    case = e.case()
-    w, (m, k, n) = case.world, case.local_gemm
-    rows = m // w
-    sizes = (rows, k, n) if e.op == "ag" else (m, k, n)
-    if select.unsupported(rows, k, n, bf16, bf16, select.default_kernel(bf16)):
-      continue
-    for model in (None, cost_model.load("NVIDIA H200", w, bf16)):
-      fixed = set(select.default_candidates(e.op, w, bf16, select.GLUON_CAPABILITY))
-      cands, _ = select.first_call_candidates(e.op, model, w, sizes, rows, bf16, bf16,
-                                              select.GLUON_CAPABILITY)
-      base = select.default_kernel(bf16) if not cands else next(
-          (c for c in cands if c.engine == "tl"), cands[0])
-      # the packed configs the loopback benchmark times (a first call keeps MAX_CANDIDATES)
-      packed = [c for c in select.small_shape_configs(e.op, w, rows, k, n, bf16, bf16, base)
-                if c.pack_shards]
-      for cfg in list(cands) + packed:
-        small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1
-        if small and cfg not in fixed and (e.op, cfg, w) not in seen:
-          seen.add((e.op, cfg, w))
-          out.append((e.op, cfg, w, case.a_shape + (case.b_shape[1],)))
+  for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+    name = np.dtype(dtype).name
+    out_dtype = jnp.bfloat16
+    for e in shapes.load():
+      case = e.case(name)
+      w, (m, k, n) = case.world, case.local_gemm
+      rows = m // w
+      sizes = (rows, k, n) if e.op == "ag" else (m, k, n)
+      if select.unsupported(rows, k, n, dtype, out_dtype, select.default_kernel(dtype), e.op):
+        continue
+      # the bf16 model orders the tl candidates of both (fp8 has none of its own)
+      for model in (None, cost_model.load("NVIDIA H200", w, jnp.bfloat16)):
+        fixed = set(select.default_candidates(e.op, w, dtype, select.GLUON_CAPABILITY))
+        cands, _ = select.first_call_candidates(e.op, model, w, sizes, rows, dtype, out_dtype,
+                                                select.GLUON_CAPABILITY)
+        base = select.default_kernel(dtype) if not cands else next(
+            (c for c in cands if c.engine == "tl"), cands[0])
+        # the packed configs the loopback benchmark times (a first call keeps MAX_CANDIDATES)
+        packed = [c for c in select.small_shape_configs(e.op, w, rows, k, n, dtype, out_dtype,
+                                                        base) if c.pack_shards]
+        for cfg in list(cands) + packed:
+          small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1
+          if small and cfg not in fixed and (e.op, name, cfg, w) not in seen:
+            seen.add((e.op, name, cfg, w))
+            rows_a = case.a_shape[0]
+            out.append((e.op, name, cfg, w, (rows_a, k, n)))
+  assert all(fp8.is_fp8(d) or d == "bfloat16" for _, d, _, _, _ in out)
   return out
 
 
@@ -220,10 +228,10 @@ def cases():
                        **({"return_gathered": False} if op == "ag" else {}))
 
   bf16 = jnp.dtype(jnp.bfloat16)
-  for op, cfg, world, shape in list_configs():
+  for op, dtype, cfg, world, shape in list_configs():
     extra = dict(return_gathered=False) if op == "ag" else {}
-    yield (f"{op}-bfloat16-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
-           *fused(op, bf16, cfg, world, shape, **extra))
+    yield (f"{op}-{dtype}-{_cfg_name(cfg)}-world{world}-list-{'x'.join(map(str, shape))}",
+           *fused(op, dtype, cfg, world, shape, **extra))
 
   for op, dtype, cfg, world, shape in wide_output_configs():
     extra = dict(return_gathered=False) if op == "ag" else {}

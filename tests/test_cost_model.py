@@ -421,6 +421,11 @@ def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
   f32, _ = select.first_call_candidates("ag", None, 8, sizes, 16, np.float32, np.float32, "9.0")
   assert f32 == select.default_candidates("ag", 8, np.float32, "9.0")
+  # fp8: the same kinds of config, on K tiles of 128 (the fp8 kernels' own)
+  f8, _ = select.first_call_candidates("ag", None, 8, sizes, 16, jnp.float8_e4m3fn, BF16, "9.0")
+  bf16, _ = select.first_call_candidates("ag", None, 8, sizes, 16, BF16, BF16, "9.0")
+  assert [select.small_class(c) for c in f8] == [select.small_class(c) for c in bf16] and \
+      {c.block_k for c in f8} == {128}
 
 
 def test_small_shapes_get_narrower_tiles_and_split_k_candidates():

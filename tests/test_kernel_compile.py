@@ -443,24 +443,26 @@ def test_gemm_rs_with_warpgroup_partitions_compiles(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("entry", list_configs(),
-                         ids=lambda e: f"{e[0]}-{e[1].engine}-{e[1].block_m}x{e[1].block_n}"
-                                       f"-k{e[1].split_k}-t{e[1].split_tail}"
-                                       f"{'-p' if e[1].pack_shards else ''}"
-                                       f"-w{e[2]}-{'x'.join(map(str, e[3]))}")
+                         ids=lambda e: f"{e[0]}-{e[1]}-{e[2].engine}-{e[2].block_m}x{e[2].block_n}"
+                                       f"-k{e[2].split_k}-t{e[2].split_tail}"
+                                       f"{'-p' if e[2].pack_shards else ''}"
+                                       f"-w{e[3]}-{'x'.join(map(str, e[4]))}")
 def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatch, tmp_path,
                                                                       entry):
-  """Every config an entry of the benchmark's shape list selects beyond the tuner's own
-  (tests/ptx_dump.py list_configs: narrower tiles on both engines, split-K and packed shards on
-  tl), at that
-  entry's per-rank shape: the tile's wgmma, TMA, the cross-GPU protocol, split-K's GPU-scope
+  """Every config an entry of the benchmark's shape list selects beyond the tuner's own, in bf16
+  and fp8 (tests/ptx_dump.py list_configs: narrower tiles on both engines, split-K and packed
+  shards on tl), at that entry's per-rank shape: the tile's wgmma, TMA, the cross-GPU protocol, split-K's GPU-scope
   counting and L1-bypassing reads, and ptxas neither spills nor serializes the wgmma."""
-  op, cfg, world, (m, k, n) = entry
-  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(jnp.bfloat16), cfg, m, k, n, world,
+  op, dtype, cfg, world, (m, k, n) = entry
+  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, m, k, n, world,
              return_gathered=False, op=op)
   # warps stacked along M (16 rows each), the rest of them split N: 64x256 on 8 warps is two
-  # warpgroups of m64n128
+  # warpgroups of m64n128; fp8 multiplies k32 at a time (e4m3 x e4m3)
   warps_n = cfg.num_warps // min(cfg.num_warps, cfg.block_m // 16)
-  assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n // warps_n}k16" in ptx, "not the tile's wgmma"
+  kind = "k32.f32.e4m3.e4m3" if fp8.is_fp8(dtype) else "k16"
+  assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n // warps_n}{kind}" in ptx, \
+      "not the tile's wgmma"
+  _check_dtype(ptx, jnp.dtype(dtype))
   assert "cp.async.bulk.tensor" in ptx, "GEMM lost its TMA loads"
   assert "ld.global.acquire.sys" in ptx and "sys.release" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)

@@ -313,9 +313,11 @@ def small_shape_configs(op: str, world: int, shard_rows: int, k: int, n: int, dt
   K = k): per engine, the SMALL_TILES (tile_warps), on `tl` split-K over the smallest
   tile whose tiles fit its counters, each in its deepest pipeline (deepest_stages), and the
   base with its second wave split where that wave is short (tail_split_config).  Chunks and
-  movers stay the base's (a shard of one row tile is one chunk).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
+  movers stay the base's (a shard of one row tile is one chunk; fp8 keeps the base's K tiles
+  of 128).  Only configs that run the shape; none for 32-bit dtypes (no small-tile
   measurements)."""
-  if np.dtype(dtype).itemsize != 2 or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms:
+  if (np.dtype(dtype).itemsize == 4
+      or fused_tiles(world, shard_rows, n, base) >= SMALL_WAVES * num_sms):
     return []
   fits = lambda c: (unsupported(shard_rows, k, n, dtype, out_dtype, c, op) is None
                     and split_k_unsupported(c, fused_tiles(world, shard_rows, n, c), k) is None)
@@ -432,8 +434,7 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
     space = [c for c in candidate_configs(op, model, dtype, out_dtype) if runs(c)]
     ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
     ordered += [c for c in fixed if c not in ordered]
-  engines = ("tl", "gluon") if (gluon_candidate(dtype, compute_capability)
-                                and np.dtype(dtype).itemsize == 2) else ("tl",)
+  engines = ("tl", "gluon") if gluon_candidate(dtype, compute_capability) else ("tl",)
   base = next(iter(tl(ordered)), default_kernel(dtype, out_dtype))
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
