@@ -26,7 +26,7 @@ if gpu_triton is None or not hasattr(gpu_triton, "TritonKernel"):
   pytest.skip("jax-cuda plugin not installed: no Triton compile path", allow_module_level=True)
 
 from jax_autooverlap import fp8  # noqa: E402
-from jax_autooverlap.backends.launch import ag_grid, spread_rows  # noqa: E402
+from jax_autooverlap.backends.launch import ag_grid, rs_grid, spread_rows  # noqa: E402
 from jax_autooverlap.backends.triton import launch_ag_gemm, launch_gemm_rs  # noqa: E402
 from jax_autooverlap.tuning import select  # noqa: E402
 from jax_autooverlap.tuning.config import KernelConfig  # noqa: E402
@@ -472,6 +472,11 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
     tma_store = "cp.async.bulk.tensor.2d.global.shared" in ptx or \
         "cp.async.bulk.tensor.3d.global.shared" in ptx
     assert tma_store == (spread_rows(cfg, tiles, num_ctas) == 0), "not the launch's combine"
+  if op == "rs" and cfg.pack_shards and cfg.split_k > 1:
+    # spread, a part waits for its tile's other parts before summing its rows: a second wait
+    _, _, _, num_ctas, tiles = rs_grid(m, n, world, cfg, 132)
+    waits = ptx.count("ld.global.acquire.sys") // 2  # each: a first load, then the polling one
+    assert waits == (2 if spread_rows(cfg, tiles, num_ctas) else 1), "not the launch's combine"
   if cfg.split_k > 1:  # the parts' counter (and finish_call's), the partials read past L1
     assert ptx.count("atom.global.gpu.acq_rel.add") >= 2 and "ld.global.cg" in ptx
   elif cfg.pack_shards and op == "rs":  # the peers' partials of the own rows, read past L1

@@ -90,8 +90,9 @@ def split_from(kernel: KernelConfig, tiles: int) -> int:
 
 
 def spread_rows(kernel: KernelConfig, tiles: int, num_ctas: int) -> int:
-  """The rows of a split tile each part sums in an AG+GEMM launch of num_ctas CTAs
-  (kernels/split_k.py Spread: block_m / split_k up to a power of 2) where every tile is split
+  """The rows of a split tile each part sums in an AG+GEMM launch, or a packed GEMM+RS one, of
+  num_ctas CTAs (kernels/split_k.py Spread: block_m / split_k up to a power of 2) where every
+  tile is split
   (SPLIT_FROM 0) and a tile's parts can all run at once (split_k <= num_ctas: the parts wait
   for each other); else 0 (the part that completes a tile sums all of it)."""
   if kernel.split_k == 1 or split_from(kernel, tiles) != 0 or num_ctas < kernel.split_k:

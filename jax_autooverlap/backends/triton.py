@@ -165,6 +165,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
   m_out, tm, tn, num_ctas, tiles = rs_grid(m, n, world, kernel, num_sms)
   parity = parity_bytes("rs_rows", world, a, n, out_dtype, workspace_bytes, "launch_gemm_rs")
   a_desc, b_desc = operand_descs(a, b, kernel)
+  packed = pack(kernel, "rs", m_out, n)
   out, _, timeline, _ = jt.triton_call(
       a_desc, b_desc, table_row, rank, kernel=gemm_rs_kernel, name="ao_gemm_rs",
       zeroed_outputs=((0,) if poison else ()) + ((2,) if trace else ()),
@@ -174,7 +175,7 @@ def launch_gemm_rs(a, b, table_row, rank, *, world: int, kernel: KernelConfig, o
       grid=(num_ctas,), num_warps=kernel.num_warps, num_stages=kernel.num_stages,
       compute_capability=compute_capability,
       M=m, K=k, N=n, SPLIT_K=kernel.split_k, SPLIT_FROM=split_from(kernel, tiles),
-      PACK=pack(kernel, "rs", m_out, n), TRACE=trace,
+      PACK=packed, TRACE=trace, SPREAD=spread_rows(kernel, tiles, num_ctas) if packed > 1 else 0,
       **kernel_constants(kernel, world, tm, num_ctas, timeout_s, op_id, parity))
   return (out, timeline) if trace else out
 

@@ -32,7 +32,12 @@ holding this GPU's own rows then waits for every peer's push of that column tile
 the partials into them in rank order.  Every tile pushes before it waits and every GPU hands
 tiles out in the same order, so the lowest tile any GPU waits for has been pushed everywhere
 (deadlock-free without the own-rows-last order).  The split counters start at the third
-of the own row's counters, as in kernels/ag_gemm.py.
+of the own row's counters, as in kernels/ag_gemm.py.  With SPREAD > 0 rows per part
+(split_k.py Spread) every part of a split tile finishes its own rows: it pushes those of
+peer owners and signals them, or sums the own ones; an owner whose rows span several parts
+is signalled once per part (OWNER_SIGNALS), which its wait expects.  The last part of a
+tile no longer sums, pushes and signals all of it alone, one step after the other on one SM
+(~16 us of a 22.6 us call at Llama-3-8B down, TP 8, M = 128: docs/NOTES.md).
 
 fp8 operands (e4m3/e5m2, any pairing): b comes K-major as [N, K] (wgmma reads
 fp8 B K-major only); each partial is multiplied by this GPU's scale
@@ -81,6 +86,7 @@ def gemm_rs_kernel(
     FLAG_BLOCK: tl.constexpr,
     TIMEOUT_NS: tl.constexpr, OP_ID: tl.constexpr, SPLIT_K: tl.constexpr,
     SPLIT_FROM: tl.constexpr, PACK: tl.constexpr, TRACE: tl.constexpr = False,
+    SPREAD: tl.constexpr = 0,
 ):
   tl_trace.start(trace_ptr, TRACE)
   out_dtype = out_ptr.dtype.element_ty
@@ -117,6 +123,8 @@ def gemm_rs_kernel(
   pending_flag = my_flags
   counters = my_flags + rank * MAX_CHUNKS + (2 if PACK > 1 else 0)  # split-K's
   PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
+  ROWS: tl.constexpr = SPREAD + (SPREAD == 0) * BLOCK_M  # rows a finishing unit finishes
+  OWNER_SIGNALS: tl.constexpr = (M_OUT + ROWS - 1) // ROWS  # per source and column tile
   TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_OWNER
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
@@ -127,11 +135,21 @@ def gemm_rs_kernel(
       pt = t // TN
       tn = t % TN
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.GOT_TILE, TRACE)
-      acc, finish = split_k.tile_part(a_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part, scale,
-                                      partials_ptr, counters, SPLIT_FROM, K, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
+      if SPREAD > 0:  # this part's SPREAD rows of the tile's sum (split_k.py Spread)
+        acc = split_k.spread_part(a_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part, scale,
+                                  partials_ptr, counters, err_slot, OP_ID, rank, K, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, SPLIT_K, FP8, TIMEOUT_NS, SPREAD, trace_ptr,
+                                  nth, TRACE)
+        first = part * SPREAD
+        finish = True
+      else:
+        acc, finish = split_k.tile_part(a_desc, b_desc, pt * BLOCK_M, tn * BLOCK_N, t, part,
+                                        scale, partials_ptr, counters, SPLIT_FROM, K, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
+        first = 0
       if finish:  # else another part of this tile finishes it
-        rows = tl.arange(0, BLOCK_M)
+        rows = first + tl.arange(0, ROWS)  # of the tile; past BLOCK_M (Spread's last parts) none
+        in_tile = rows < BLOCK_M
         cols = tn * BLOCK_N + tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N),
                                                 BLOCK_N)
         owner = pt * PACK + rows // M_OUT  # of each row of the tile
@@ -140,20 +158,24 @@ def gemm_rs_kernel(
         dest = (table_address(table_ptr, tl.minimum(owner, WORLD - 1)) + BUF_OFF
                 + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(out_dtype)) \
             + rank.to(tl.int64) * SLOT + r_out * N
-        remote = (owner != rank) & (owner < WORLD)
+        remote = (owner != rank) & (owner < WORLD) & in_tile
         tl.store(dest[:, None] + cols[None, :], acc.to(out_dtype),
                  mask=remote[:, None] & (cols[None, :] < N))
-        o = pt * PACK + tl.arange(0, PACK)  # the tile's owners, signalled together
+        # the owners of these rows, signalled together (each owner's rows of a column tile come
+        # in OWNER_SIGNALS parts: one, or with Spread rows fewer than an owner's, M_OUT / ROWS)
+        j = tl.arange(0, PACK)
+        o = pt * PACK + j
+        mine = (j * M_OUT < tl.minimum(first + ROWS, BLOCK_M)) & ((j + 1) * M_OUT > first)
         signal_add_all((table_address(table_ptr, tl.minimum(o, WORLD - 1)) + FLAGS_OFF).to(
             tl.pointer_type(tl.int32)) + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1,
-            (o < WORLD) & (o != rank))
-        if pt == rank // PACK:  # this GPU's own rows: the peers' partials, in rank order
-          own = owner == rank
+            (o < WORLD) & (o != rank) & mine)
+        own = (owner == rank) & in_tile
+        if tl.max(own.to(tl.int32), axis=0) > 0:  # this GPU's own rows: the peers' partials
           peers = tl.arange(0, FLAG_BLOCK // MAX_CHUNKS)  # every peer's push at once
-          wait_all_at_least(my_flags + tl.minimum(peers, WORLD - 1) * MAX_CHUNKS + tn, 1,
-                            (peers < WORLD) & (peers != rank), err_slot, OP_ID, rank, peers, tn,
-                            TIMEOUT_NS)
-          for r in tl.static_range(WORLD):
+          wait_all_at_least(my_flags + tl.minimum(peers, WORLD - 1) * MAX_CHUNKS + tn,
+                            OWNER_SIGNALS, (peers < WORLD) & (peers != rank), err_slot, OP_ID,
+                            rank, peers, tn, TIMEOUT_NS)
+          for r in tl.static_range(WORLD):  # in rank order
             if r != rank:
               src = my_slots + r * SLOT + r_out * N
               acc += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg",

@@ -14,13 +14,15 @@ own-rows sum); the others go on to their next unit.  Partial slots and counters 
 by the split tile's number t - SPLIT_FROM.  No CTA waits for another CTA of its GPU (but
 with Spread).
 
-Spread (SPREAD > 0 rows per part, AG+GEMM: backends/launch.py spread_rows): the last
+Spread (SPREAD > 0 rows per part, AG+GEMM and packed GEMM+RS: backends/launch.py
+spread_rows): the last
 part's sum reads S partial tiles through one SM, S one-after-another rounds of L2 latency
 (7.8 us of a 22.7 us call at 70B Q/K/V, TP 8, M = 128, 64x256 split 8: tenth round).  With
 SPREAD every part, once its partial is stored and counted, waits (bounded:
 sync.wait_at_least, the record naming the split tile) until all S have been, then sums its
 own SPREAD rows (BLOCK_M / S up to a power of 2) of the S partials (sum_own_rows), in part
-order (the same adds as combine: bit-identical), and stores them.
+order (the same adds as combine: bit-identical), and finishes them (AG: stores them; packed
+GEMM+RS: pushes the peers' rows, sums the own ones with the peers' partials).
 This wait on other CTAs of the GPU cannot deadlock on CTA scheduling: units are claimed in
 order, so every part below a claimed one is claimed by a running CTA, which stores its
 partial before it waits; a tile's missing parts are the next units, which the next CTA to
