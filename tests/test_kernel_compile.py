@@ -493,12 +493,41 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
 def test_float32_products_compile_without_spills(monkeypatch, tmp_path, entry):
   """A float32 product of bf16 or fp8 operands (preferred_element_type=float32): every kind of
   config a first call times for one (tests/ptx_dump.py wide_output_configs; the usual ones in
-  128x128 tiles, select.default_kernel) keeps the fast paths and the cross-GPU protocol, and
-  ptxas neither spills nor serializes the wgmma."""
+  128x256 tiles on tl, 128x128 on Gluon: select.default_kernel, wide_output_tiles) keeps the
+  fast paths and the cross-GPU protocol, and ptxas neither spills nor serializes the wgmma."""
   op, dtype, cfg, world, (m, k, n) = entry
   ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, m, k, n, world,
              return_gathered=False, op=op, out_dtype=np.float32)
   (_check_ag if op == "ag" else _check_rs)(ptx, cfg, dtype)
+  _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_a_float32_tile_of_256_columns_is_stored_in_halves(monkeypatch, tmp_path, op, dtype):
+  """tl's 128x256 tiles of a float32 product: the AG stores the tile in two column halves
+  through one 64 KB buffer (select.shared_memory's count: at most SMEM_SLACK over Triton's, in
+  a CTA; Triton 3.6 stores without it), the second written only once the first store has read
+  it; GEMM+RS sums and stores
+  its own tiles in halves (two 2-D TMA stores).  Whole, the AG's buffer needed 278,552 bytes
+  and GEMM+RS spilled 84 (bf16) / 76 (fp8) bytes; now neither spills."""
+  import triton
+  cfg = select.default_kernel(jnp.dtype(dtype), np.float32)
+  assert (cfg.block_m, cfg.block_n) == (128, 256)
+  ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, 2048, 4096, 4096, 2,
+             return_gathered=False, op=op, out_dtype=np.float32)
+  dims = "3d" if op == "ag" else "2d"
+  store = rf"cp\.async\.bulk\.tensor\.{dims}\.global\.shared"
+  stores = [m.start() for m in re.finditer(store, ptx)]
+  assert len(stores) == 2, len(stores)
+  if op == "ag":
+    assert "cp.async.bulk.wait_group.read" in ptx[stores[0]:stores[1]]
+    info = glob.glob(str(tmp_path / "dump" / "**" / "*.compile_info"), recursive=True)
+    triton_bytes = int(re.search(r"shared_mem_bytes: (\d+)",
+                                 pathlib.Path(info[0]).read_text())[1])
+    model = select.shared_memory(cfg, op, jnp.dtype(dtype).itemsize, 4)
+    allowance = select.SMEM_SLACK + (128 * 128 * 4 if triton.__version__.startswith("3.6") else 0)
+    assert 0 <= model - triton_bytes <= allowance and model <= select.SMEM_LIMIT
   _assert_no_spills(ptx, tmp_path)
 
 

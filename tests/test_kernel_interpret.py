@@ -76,6 +76,11 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("rs", 4, 3, 64, 128, 600, 2048, 320, 0, 0, 0, 0, 2, "float32"),   # ragged, split-K
     ("rs", 8, 4, 64, 64, 128, 4096, 512, 0, 0, 1, 0, 2, "float32"),    # packed, split-K
     ("ag", 8, 2, 64, 64, 128, 256, 128, 0, 0, 1, 5, 2, "float32"),     # packed, rank 5
+    # tl's 128x256 tiles of a float32 product: the AG stores them, GEMM+RS sums and stores its
+    # own ones, in column halves (a ragged last column tile: its right half is all outside)
+    ("ag", 2, 1, 128, 256, 256, 512, 640, 0, 0, 0, 0, 2, "float32"),
+    ("rs", 2, 1, 128, 256, 512, 512, 640, 0, 0, 0, 0, 2, "float32"),
+    ("rs", 4, 1, 128, 256, 600, 1024, 512, 0, 0, 0, 3, 2, "float32"),  # ragged rows, rank 3
 ]
 
 

@@ -67,15 +67,16 @@ def test_fp8_case_stores_b_k_major_and_scales_in_the_epilogue():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_a_float32_product_case_pushes_and_sums_float32_partials(dtype):
   """`--out-dtype float32` (preferred_element_type=float32): the product, GEMM+RS's partials in
-  the workspaces and XLA's GEMM are float32; the AG still pushes the operands; both engines'
-  configs take the tuner's 128x128 tiles (a float32 128x256 tile does not fit)."""
+  the workspaces and XLA's GEMM are float32; the AG still pushes the operands; tl keeps its
+  128x256 tiles (stored, and GEMM+RS's own ones summed, in column halves), Gluon takes 128x128
+  (its whole float32 128x256 output tile would not fit its shared memory)."""
   ag, rs = (fixture.Case(op, 4096, 8192, 8192, dtype=dtype, out="float32") for op in ("ag", "rs"))
   assert ag.out_dtype == rs.out_dtype == rs.piece_dtype == "float32" and ag.piece_dtype == dtype
   assert fixture.piece_bytes(rs) == 2 * fixture.piece_bytes(fixture.Case("rs", 4096, 8192, 8192))
   assert ag.label == "4096x8192x8192->float32"
   for case in (ag, rs):
     cfgs = cli.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
-    assert {e: (c.block_m, c.block_n) for e, c in cfgs.items()} == {"tl": (128, 128),
+    assert {e: (c.block_m, c.block_n) for e, c in cfgs.items()} == {"tl": (128, 256),
                                                                     "gluon": (128, 128)}
     a = jax.ShapeDtypeStruct(case.a_shape, fixture.np_dtype(case.dtype))
     b = jax.ShapeDtypeStruct(case.b_shape, fixture.np_dtype(case.dtype))
@@ -615,11 +616,18 @@ def test_the_shared_memory_model_counts_what_each_kernel_allocates():
   assert "needs 279552 bytes of shared memory" in select.unsupported(
       1024, 4096, 4096, jnp.bfloat16, jnp.bfloat16,
       dataclasses.replace(gluon, num_stages=4), "ag")
-  # tl GEMM+RS in 128x256 tiles of a 4-byte output: its shared memory fits, its registers do not
-  assert "spills registers" in select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
-                                                 tl, "rs")
+  # a 4-byte output tile of 256 columns: the tl AG stores it in halves (64 KB of buffer at
+  # 128x256); the tl GEMM+RS sums its own tiles in halves, but its packed and split tiles'
+  # registers do not hold one
+  assert select.shared_memory(tl, "ag", 2, 4) == 3 * stage + out + slack
+  assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32, tl, "ag") is None
+  assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32, tl, "rs") is None
+  assert "spills registers" in select.unsupported(
+      2048, 4096, 4096, jnp.bfloat16, np.float32, dataclasses.replace(tl, split_k=2), "rs")
+  assert "needs 295936 bytes" in select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
+                                                    gluon, "ag")
   assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
-                            dataclasses.replace(tl, block_n=128), "rs") is None
+                            dataclasses.replace(gluon, block_n=128), "ag") is None
 
 
 def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():

@@ -175,9 +175,13 @@ def ag_gemm_kernel(
   local_desc = a_desc
   bufs_desc = tl.make_tensor_descriptor(my_bufs, shape=[WORLD * M_SHARD, K], strides=[K, 1],
                                         block_shape=[BLOCK_M, BLOCK_K])
+  # A 4-byte output tile is stored in column halves (OUT_HALVES): its TMA-store buffer is
+  # then 64 KB at 128x256, so 128x256 tiles fit a float32 product beside 3 operand stages.
+  OUT_HALVES: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth == 32 and BLOCK_N >= 256
+  OUT_COLS: tl.constexpr = BLOCK_N // 2 if OUT_HALVES else BLOCK_N
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],
                                      strides=[M_SHARD * N, N, 1],
-                                     block_shape=[1, BLOCK_M, BLOCK_N])
+                                     block_shape=[1, BLOCK_M, OUT_COLS])
   if PACK > 1:  # the gathered rows in row tiles of PACK sources: out is [WORLD * M_SHARD, N]
     packed_desc = tl.make_tensor_descriptor(out_ptr, shape=[WORLD * M_SHARD, N], strides=[N, 1],
                                             block_shape=[BLOCK_M, BLOCK_N])
@@ -242,8 +246,14 @@ def ag_gemm_kernel(
                                       partials_ptr, counters, SPLIT_FROM, K, BLOCK_M, BLOCK_N,
                                       BLOCK_K, SPLIT_K, FP8, trace_ptr, nth, TRACE)
         if last:  # else another part of this tile stores it
-          o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N],
-                       acc.to(out_ptr.dtype.element_ty).reshape([1, BLOCK_M, BLOCK_N]))
+          tile = acc.to(out_ptr.dtype.element_ty)
+          if OUT_HALVES:
+            left, right = tile.reshape([BLOCK_M, 2, OUT_COLS]).permute(0, 2, 1).split()
+            o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N], left.reshape([1, BLOCK_M, OUT_COLS]))
+            o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N + OUT_COLS],
+                         right.reshape([1, BLOCK_M, OUT_COLS]))
+          else:
+            o_desc.store([src, tm * BLOCK_M, tn * BLOCK_N], tile.reshape([1, BLOCK_M, BLOCK_N]))
     tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
     nth += 1
     u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")

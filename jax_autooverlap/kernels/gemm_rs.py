@@ -114,10 +114,15 @@ def gemm_rs_kernel(
     scale = epilogue_scale(table_ptr, WORLD)
   else:
     scale = 1.0  # unused
+  # A 4-byte output's own tiles are summed and stored in column halves (OUT_HALVES): a whole
+  # float32 partial loaded beside the float32 accumulator does not fit the registers at
+  # 128x256 (ptxas spilled 84 bytes).
+  OUT_HALVES: tl.constexpr = out_dtype.primitive_bitwidth == 32 and BLOCK_N >= 256
+  OUT_COLS: tl.constexpr = BLOCK_N // 2 if OUT_HALVES else BLOCK_N
   part_desc = tl.make_tensor_descriptor(my_slots, shape=[WORLD * M_OUT, N], strides=[N, 1],
-                                        block_shape=[BLOCK_M, BLOCK_N])
+                                        block_shape=[BLOCK_M, OUT_COLS])
   o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_OUT, N], strides=[N, 1],
-                                     block_shape=[BLOCK_M, BLOCK_N])
+                                     block_shape=[BLOCK_M, OUT_COLS])
 
   pending = tl.full([], 0, tl.int32)  # 1: the tile pushed last is not yet signalled
   pending_flag = my_flags
@@ -217,12 +222,25 @@ def gemm_rs_kernel(
         else:
           expected = tl.minimum(TILES_PER_CHUNK, TM - c * TILES_PER_CHUNK) * TN
           # summed into acc in place (a second f32 tile beside it spilled: 264 bytes per thread)
-          for r in tl.static_range(WORLD):
-            if r != rank:
-              wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r, c,
-                            TIMEOUT_NS)
-              acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
-          o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
+          if OUT_HALVES:  # the left halves as each peer's arrives, then the right ones
+            left, right = acc.reshape([BLOCK_M, 2, OUT_COLS]).permute(0, 2, 1).split()
+            for r in tl.static_range(WORLD):
+              if r != rank:
+                wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r,
+                              c, TIMEOUT_NS)
+                left += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N])
+            o_desc.store([tm * BLOCK_M, tn * BLOCK_N], left)
+            for r in tl.static_range(WORLD):
+              if r != rank:
+                right += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N + OUT_COLS])
+            o_desc.store([tm * BLOCK_M, tn * BLOCK_N + OUT_COLS], right)
+          else:
+            for r in tl.static_range(WORLD):
+              if r != rank:
+                wait_at_least(my_flags + r * MAX_CHUNKS + c, expected, err_slot, OP_ID, rank, r,
+                              c, TIMEOUT_NS)
+                acc += part_desc.load([r * M_OUT + tm * BLOCK_M, tn * BLOCK_N]).to(tl.float32)
+            o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_dtype))
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
       nth += 1
       u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")

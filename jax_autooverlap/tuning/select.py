@@ -138,15 +138,22 @@ def default_kernel(dtype, out_dtype=None) -> KernelConfig:
   (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl".  fp8
   takes K tiles of 128 (one 128-byte swizzled row per stage, as 64 bf16 columns; the same
   shared memory per stage).  A 4-byte output (out_dtype, default the operands') of 16-bit or
-  fp8 operands takes tiles of 128x128: a 128x256 tile of it overflows the output buffer's
-  shared memory (tl AG, Gluon) or the registers (tl GEMM+RS; `unsupported`), and 128x128
-  holds the bytes a 16-bit 128x256 tile has."""
+  fp8 operands keeps 128x256 tiles on tl (whose kernels store, and GEMM+RS's own tiles sum,
+  such a tile in column halves) and takes 128x128 on Gluon (wide_output_tiles)."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
   engine = os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl")
   cfg = KernelConfig(block_k=128 if fp8.is_fp8(dtype) else 64, engine=engine)
-  if out_dtype is not None and np.dtype(out_dtype).itemsize == 4:
-    cfg = dataclasses.replace(cfg, block_n=128)
+  return wide_output_tiles(cfg, out_dtype)
+
+
+def wide_output_tiles(cfg: KernelConfig, out_dtype) -> KernelConfig:
+  """`cfg` in tiles that hold a 4-byte output of narrower operands on its engine: the Gluon
+  kernels stage the whole output tile in shared memory, so 128x256 becomes 128x128 there (the
+  same bytes as a 16-bit 128x256 tile); the tl kernels keep their tiles."""
+  if (cfg.engine == "gluon" and out_dtype is not None and np.dtype(out_dtype).itemsize == 4
+      and cfg.block_m * cfg.block_n > 128 * 128):
+    return dataclasses.replace(cfg, block_n=128)
   return cfg
 
 
@@ -177,9 +184,11 @@ def unsupported(m_shard: int, k: int, n: int, dtype, out_dtype, cfg: KernelConfi
   if cfg.engine == "gluon" and dt.itemsize > 2:
     return f"the gluon engine takes 16-bit and fp8 operands (wgmma), not {dt.name}"
   if (cfg.engine, op) == ("tl", "rs") and np.dtype(out_dtype).itemsize == 4 and \
-      cfg.block_m * cfg.block_n > 128 * 128 and dt.itemsize < 4:
-    return (f"the tl GEMM+RS kernel spills registers with {cfg.block_m}x{cfg.block_n} tiles "
-            f"of a 4-byte output (ptxas); tiles of 128x128 or fewer elements run it")
+      cfg.block_m * cfg.block_n > 128 * 128 and dt.itemsize < 4 and \
+      (cfg.split_k > 1 or cfg.pack_shards):
+    return (f"the tl GEMM+RS kernel spills registers with split or packed {cfg.block_m}x"
+            f"{cfg.block_n} tiles of a 4-byte output (ptxas); tiles of 128x128 or fewer "
+            "elements run it, and unsplit unpacked ones (their own tiles summed in halves)")
   need = shared_memory(cfg, op, dt.itemsize, np.dtype(out_dtype).itemsize)
   if need > SMEM_LIMIT:
     return (f"{cfg.engine} {op} kernel of {cfg.block_m}x{cfg.block_n}x{cfg.block_k} tiles in "
@@ -199,8 +208,9 @@ def shared_memory(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> 
   out_tile = cfg.block_m * cfg.block_n * out_bytes
   if cfg.engine == "gluon":
     extra = out_tile + (2 * GLUON_STAGING_BOX if op == "ag" else 0)
-  else:
-    extra = out_tile if op == "ag" and cfg.split_k == 1 else 0
+  else:  # the tl AG stores a 4-byte tile of 256 columns or more in halves (kernels/ag_gemm.py)
+    halves = 2 if out_bytes == 4 and cfg.block_n >= 256 else 1
+    extra = out_tile // halves if op == "ag" and cfg.split_k == 1 else 0
   return cfg.num_stages * stage + extra + SMEM_SLACK
 
 
@@ -396,7 +406,7 @@ def default_candidates(op: str, world: int, dtype, compute_capability=None,
   out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
       if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
   if gluon_candidate(dtype, compute_capability):
-    gluon = dataclasses.replace(base, engine="gluon")
+    gluon = wide_output_tiles(dataclasses.replace(base, engine="gluon"), out_dtype)
     if op == "ag":
       out += [dataclasses.replace(gluon, chunks=c, num_comm=m) for c, m in DEFAULT_GLUON["ag"][w]]
     else:

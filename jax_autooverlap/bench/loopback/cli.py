@@ -46,7 +46,7 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
   out = {}
   for engine in engines:
     try:
-      cfg = dataclasses.replace(base, engine=engine)
+      cfg = select.wide_output_tiles(dataclasses.replace(base, engine=engine), out_dtype)
       if engine == "gluon" and base.engine != "gluon" and gluon is not None:
         cfg = dataclasses.replace(cfg, chunks=gluon.chunks, num_comm=gluon.num_comm)
     except ValueError as e:  # the tuner's tiles do not fit this engine
