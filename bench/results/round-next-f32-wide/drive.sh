@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A GPU call on branch f32-wide (carry [".whl"]): float32 products (preferred_element_type=
-# float32 of bf16/fp8 operands) in tl's 128x256 tiles, the AG storing the tile in column halves
+# A GPU call on branch f32-wide, or main with f32-wide.patch applied (carry [".whl"]): float32
+# products (preferred_element_type=float32 of bf16/fp8 operands) in tl's 128x256 tiles, the AG storing the tile in column halves
 # through one 64 KB buffer, GEMM+RS summing and storing its own tiles in halves (main ran them
 # in 128x128: 1.51-1.94 x cuBLAS's float32-output GEMM in loopback, the kernel alone
 # 1.34-1.62 x, twentieth session). Predicted: the tl kernel alone at 128x256 near its bf16
