@@ -3,9 +3,8 @@
 # products (preferred_element_type=float32 of bf16/fp8 operands) in tl's 128x256 tiles, the AG
 # storing the tile in column halves through one 64 KB buffer, GEMM+RS summing and storing its own
 # tiles in halves (main ran them in 128x128: 1.51-1.94 x cuBLAS's float32-output GEMM in loopback,
-# the kernel alone
-# 1.34-1.62 x, twentieth session). Predicted: the tl kernel alone at 128x256 near its bf16
-# output's 1.01-1.07 x plus the second store's wait, ~1.05-1.12 x; ours 1.08-1.20 x.
+# the kernel alone 1.34-1.62 x, twentieth session). Predicted: the tl kernel alone at 128x256 near
+# its bf16 output's 1.01-1.07 x plus the second store's wait, ~1.05-1.12 x; ours 1.08-1.20 x.
 # Also bf16 outputs in 128x128 tiles at the same shapes (--variant tl:block_n=128): how much of
 # main's loss was the tile and how much the float32 epilogue.
 # 1. GPU tests of float32 products (both engines, groups of 2/4/8; tl now 128x256).
