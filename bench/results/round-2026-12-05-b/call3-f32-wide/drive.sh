@@ -13,18 +13,18 @@
 # Everything goes into ONE tarball under $OUT (the tool returns at most 8 files).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; X=/tmp/x-f32w; rm -rf $X; mkdir -p $X/json $OUT
-OUT=/tmp/o1 TEST_TIMEOUT=240 TEST_ARGS="-k float32_products" \
+OUT=/tmp/o1 TEST_TIMEOUT=200 TEST_ARGS="-k float32_products" \
   bash bench/run_device.sh test:tests/test_gpu_loopback.py > $X/tests.stdout 2>&1
 cp /tmp/o1/all.tgz $X/tests.tgz
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 S=4096x8192x8192,8192x4096x4096
 for op in ag rs; do
   for dt in bfloat16 float8_e4m3fn; do
-    timeout 75 python3 -m jax_autooverlap.bench $op --loopback --dtype $dt --out-dtype float32 \
+    timeout 60 python3 -m jax_autooverlap.bench $op --loopback --dtype $dt --out-dtype float32 \
       --shapes $S --rounds 3 --calls 10 --variant tl:block_n=128 --tag f32w-$dt --out $X/json \
       > $X/f32-$op-$dt.log 2>&1
   done
-  timeout 60 python3 -m jax_autooverlap.bench $op --loopback --dtype bfloat16 --engines tl \
+  timeout 45 python3 -m jax_autooverlap.bench $op --loopback --dtype bfloat16 --engines tl \
     --shapes $S --rounds 3 --calls 10 --variant tl:block_n=128 --tag bf16-128 --out $X/json \
     > $X/bf16-$op.log 2>&1
 done
