@@ -394,7 +394,8 @@ def test_traced_tl_rs_computes_what_the_plain_one_does(packed):
   """--trace with a tl GEMM+RS --variant (kernels/tl_trace.py): the same output bit for bit as
   the plain build, and a timeline row for every work unit: Llama-3-8B down at TP 8, 128 tokens,
   owners' rows packed and split in 4 (32 column tiles x 4 parts), and an unpacked group of 2
-  (2 owners x 2 row tiles x 4 column tiles)."""
+  (2 owners x 2 row tiles x 4 column tiles).  The packed parts (Spread: each finishes its own
+  rows) stamp their epilogue's steps in order: the other parts' arrival, the push, the end."""
   from jax_autooverlap.bench import timeline
   from jax_autooverlap.runtime import cuda
   from jax_autooverlap.runtime.errors import check_errors
@@ -412,7 +413,12 @@ def test_traced_tl_rs_computes_what_the_plain_one_does(packed):
   out, trace = lb.fused_program(case, cfg, sms, trace=True)(*loop.fused_args())
   check_errors()
   np.testing.assert_array_equal(np.asarray(out), plain)
-  assert sorted(r["tile"] for r in timeline.tiles(np.asarray(trace))) == list(range(units))
+  recs = timeline.tiles(np.asarray(trace))
+  assert sorted(r["tile"] for r in recs) == list(range(units))
+  if packed:
+    assert all(r["main_done"] <= r["parts_in"] <= r["pushed"] <= r["epilogue_done"] for r in recs)
+  else:
+    assert all(r["parts_in"] is None and r["pushed"] is None for r in recs)
 
 
 @pytest.mark.skipif("gluon" not in ENGINES, reason="a Gluon kernel (sm_90)")

@@ -223,7 +223,7 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
   build (every other test here) has no clock reads."""
   f, specs = _gluon_program(kind, 2048, 1024, 768, trace=True)
   out = jax.eval_shape(f, *specs)
-  assert out[1].shape[1:] == (257, 4) and out[1].dtype == np.int64
+  assert out[1].shape[1:] == (257, 6) and out[1].dtype == np.int64
   ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
@@ -233,7 +233,7 @@ def test_gluon_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_pat
 def test_tl_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path):
   """kernels/tl_trace.py: the tl AG+GEMM's and GEMM+RS's trace builds (packed split-K configs,
   as the split sweep times them) read %clock64 and %globaltimer and return an int64
-  [ctas, 257, 4] timeline without spilling (the plain builds have no clock reads:
+  [ctas, 257, 6] timeline without spilling (the plain builds have no clock reads:
   _check_engine)."""
   from jax_autooverlap.backends import triton as backend
   from jax_autooverlap.bench import loopback as lb
@@ -248,7 +248,7 @@ def test_tl_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path):
            jax.ShapeDtypeStruct((1,), np.int32))
   out, timeline = jax.eval_shape(f, *specs)
   assert out.shape == (128, 1280) and timeline.dtype == np.int64
-  assert timeline.shape[1:] == (257, 4)
+  assert timeline.shape[1:] == (257, 6)
   ptx = _exported_ptx(monkeypatch, tmp_path, f, specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
   assert_scratch_is_the_operand(ptx)
@@ -261,7 +261,7 @@ def test_tl_kernels_build_their_timeline_only_when_asked(monkeypatch, tmp_path):
               *specs[2:])
   out, timeline = jax.eval_shape(g, *rs_specs)
   assert out.shape == (16, 4096) and timeline.dtype == np.int64
-  assert timeline.shape[1:] == (257, 4)
+  assert timeline.shape[1:] == (257, 6)
   (tmp_path / "rs").mkdir()
   ptx = _exported_ptx(monkeypatch, tmp_path / "rs", g, rs_specs)
   assert "%clock64" in ptx and "%globaltimer" in ptx
@@ -317,7 +317,7 @@ def test_loopback_programs_compile_with_and_without_timeline(monkeypatch, tmp_pa
            jax.ShapeDtypeStruct((2 * (world + 1),), np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
   out = jax.eval_shape(program, *specs)
   if trace:
-    assert out[0].shape == case.out_shape and out[1].dtype == np.int64 and out[1].shape[1:] == (257, 4)
+    assert out[0].shape == case.out_shape and out[1].dtype == np.int64 and out[1].shape[1:] == (257, 6)
   else:
     assert out.shape == case.out_shape
   jax.export.export(program, platforms=["cuda"], disabled_checks=[

@@ -354,7 +354,9 @@ def test_tl_and_gluon_timelines_share_one_layout():
   from jax_autooverlap.kernels import gluon_trace, tl_trace
   names = ("SLOTS", "FIELDS", "GOT_TILE", "MAIN_DONE", "EPILOGUE_DONE", "TILE_SLOTS")
   assert ([getattr(tl_trace, n).value for n in names]
-          == [getattr(gluon_trace, n).value for n in names] == [256, 4, 1, 2, 3, 255])
+          == [getattr(gluon_trace, n).value for n in names] == [256, 6, 1, 2, 3, 255])
+  # the tl kernels' epilogue steps take the last two fields (timeline.epilogue_steps)
+  assert (tl_trace.PARTS_IN.value, tl_trace.PUSHED.value) == (4, 5)
   # tiles take rows 1 .. SLOTS - 1, the last row is the Gluon kernels' FRAME (timeline.frames)
   assert gluon_trace.FRAME.value == gluon_trace.SLOTS.value == gluon_trace.TILE_SLOTS.value + 1
 
@@ -395,6 +397,29 @@ def test_timeline_turns_clock_stamps_into_tiles_and_a_summary():
   # CTA 0 enters at -1 µs, the first; both CTAs' consumers end at 30 µs; CTA 0 exits at 31.5 µs
   assert s["kernel_span_us"] == 32.5
   assert [(r["cta"], r["tile"]) for r in timeline.tiles(trace)] == [(0, 0), (0, 2), (1, 1)]
+
+
+def test_timeline_splits_a_tl_epilogue_into_its_stamped_steps():
+  """Six fields (kernels/tl_trace.py): a spread split part's wait for its tile's other parts
+  (PARTS_IN), the push of the peers' rows (PUSHED), then the own rows; a unit without those
+  stamps (zeros) has no steps, and the four-field traces of older runs read as before."""
+  from jax_autooverlap.bench import timeline
+  trace = np.zeros((1, 5, 6), np.int64)
+  trace[0, 0, :4] = (1_800_000_000_000_010_000, 1_000, 1_800_000_000_000_040_000, 61_000)
+  # (unit, claimed, main loop done, epilogue done, parts in, pushed): 2 cycles per ns
+  trace[0, 1] = (0, 3_000, 23_000, 35_000, 27_000, 31_000)  # waits 2 µs, pushes 2, own 2
+  trace[0, 2] = (5, 37_000, 47_000, 53_000, 49_000, 0)      # waits 1 µs, then 2 (AG: stores)
+  trace[0, 3] = (9, 55_000, 57_000, 59_000, 0, 0)           # no steps stamped
+  recs = timeline.tiles(trace)
+  assert [timeline.epilogue_steps(r) for r in recs] == [
+      {"parts_wait": 2_000, "push": 2_000, "own": 2_000}, {"parts_wait": 1_000, "own": 2_000}, {}]
+  s = timeline.summarize(trace)
+  assert s["epilogue_us[all]"] == 3.0  # 6, 3 and 1 µs
+  assert (s["parts_wait_us[all]"], s["push_us[all]"], s["own_us[all]"]) == (1.5, 2.0, 2.0)
+  assert s["last_cta"]["parts_wait_us_sum"] == 3.0 and s["last_cta"]["own_us_sum"] == 4.0
+  old = timeline.summarize(trace[:, :, :4])
+  assert "parts_wait_us[all]" not in old and old["epilogue_us[all]"] == 3.0
+  assert all(r["parts_in"] is None and r["pushed"] is None for r in timeline.tiles(trace[:, :, :4]))
 
 
 def test_engine_benchmark_table_and_config_names(capsys):

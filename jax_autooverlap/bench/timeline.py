@@ -1,12 +1,15 @@
 """Per-tile timelines of the Gluon kernels (kernels/gluon_trace.py): from clock stamps to times.
 
-A trace is int64 [ctas, 1 + SLOTS, 4] as the kernels write it.  `tiles` turns it into one
+A trace is int64 [ctas, 1 + SLOTS, FIELDS] as the kernels write it (FIELDS 6; traces
+recorded before 2026-12-05 have 4: no PARTS_IN and PUSHED stamps).  `tiles` turns it into one
 record per tile in ns on a common time base (each CTA's %clock64 scaled by the clock rate
 seen between its two %globaltimer reads, anchored at the first); `frames` into one record per
 CTA of when its consumers started and ended and, where the kernel stamps them (the Gluon
 kernels' FRAME row), when the kernel's first and last statements ran; `summarize` into what
 the loopback benchmark prints: per tile the main loop, the epilogue and the gap before the
-next tile (the consumers waiting for its number or its first stage), per CTA the lead (start
+next tile (the consumers waiting for its number or its first stage), where the tl kernels
+stamp them the epilogue's steps (a split part's wait for the tile's other parts, the sum of
+the parts and the push to the peers, the own rows' wait and sum), per CTA the lead (start
 to first tile) and its end, for the CTA that ends last (which sets the kernel's time) where
 its time went, and the time before and after the consumers (set-up, the partitions' join,
 finish_call).
@@ -26,7 +29,7 @@ def frames(trace: np.ndarray) -> list[dict]:
   base = int(started.min()) if started.size else 0  # %globaltimer (~1.8e18 ns) is too large for
   out = []                                          # float64 to hold to the ns: times from base
   for cta, rows in enumerate(trace):
-    gt0, clk0, gt1, clk1 = (int(x) for x in rows[0])
+    gt0, clk0, gt1, clk1 = (int(x) for x in rows[0][:4])
     if gt1 <= gt0 or clk1 <= clk0:  # the CTA did not finish recording: skip it
       continue
     rate = (clk1 - clk0) / (gt1 - gt0)  # cycles per ns
@@ -38,19 +41,37 @@ def frames(trace: np.ndarray) -> list[dict]:
 
 
 def tiles(trace: np.ndarray) -> list[dict]:
-  """[{cta, j, tile, got, main_done, epilogue_done, start, end, ghz}] of every recorded tile: ns
-  from the first CTA's start; ghz: its CTA's SM clock over the kernel (cycles per ns).  Rows 1
-  to the last but one (the last is the FRAME row: frames)."""
+  """[{cta, j, tile, got, main_done, epilogue_done, parts_in, pushed, start, end, ghz}] of every
+  recorded tile: ns from the first CTA's start (parts_in, pushed: None where not stamped,
+  kernels/tl_trace.py); ghz: its CTA's SM clock over the kernel (cycles per ns).  Rows 1 to
+  the last but one (the last is the FRAME row: frames)."""
   trace = np.asarray(trace, np.int64)
   out = []
   for f in frames(trace):
-    for j, (t, got, main, epi) in enumerate(trace[f["cta"], 1:-1]):
+    for j, row in enumerate(trace[f["cta"], 1:-1]):
+      t, got, main, epi = row[:4]
       if got == 0:
         break
       ns = f["ns"]
+      parts_in, pushed = (ns(x) if x else None for x in row[4:6]) if len(row) >= 6 else (None,) * 2
       out.append({"cta": f["cta"], "j": j, "tile": int(t), "start": f["start"], "end": f["end"],
                   "ghz": f["ghz"], "got": ns(got), "main_done": ns(main),
-                  "epilogue_done": ns(epi)})
+                  "epilogue_done": ns(epi), "parts_in": parts_in, "pushed": pushed})
+  return out
+
+
+def epilogue_steps(r: dict) -> dict:
+  """A tile's epilogue (ns) in the steps its kernel stamped: parts_wait (main loop's end to the
+  other parts' arrival), push (to the peers' rows pushed and signalled, from the parts' arrival
+  or the main loop's end), own (the rest: the own rows' wait and sum); {} where none is."""
+  out = {}
+  at = r["main_done"]
+  if r["parts_in"] is not None:
+    out["parts_wait"], at = r["parts_in"] - at, r["parts_in"]
+  if r["pushed"] is not None:
+    out["push"], at = r["pushed"] - at, r["pushed"]
+  if out:
+    out["own"] = r["epilogue_done"] - at
   return out
 
 
@@ -75,6 +96,11 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
   for label, rs in sorted(groups.items()):
     out[f"main_us[{label}]"] = us(np.median([r["main_done"] - r["got"] for r in rs]))
     out[f"epilogue_us[{label}]"] = us(np.median([r["epilogue_done"] - r["main_done"] for r in rs]))
+    steps = [epilogue_steps(r) for r in rs]
+    for step in ("parts_wait", "push", "own"):
+      xs = [st[step] for st in steps if step in st]
+      if xs:
+        out[f"{step}_us[{label}]"] = us(np.median(xs))
   gaps = [b["got"] - a["epilogue_done"] for rs in by_cta.values() for a, b in zip(rs, rs[1:])]
   out["gap_us_median"] = us(np.median(gaps)) if gaps else None
   out["gap_us_max"] = us(max(gaps)) if gaps else None
@@ -90,6 +116,10 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
       "epilogue_us_sum": us(sum(r["epilogue_done"] - r["main_done"] for r in last)),
       "gap_us_sum": us(sum(b["got"] - a["epilogue_done"] for a, b in zip(last, last[1:]))),
       "end_at_us": us(last[-1]["epilogue_done"] - t0)}
+  for step in ("parts_wait", "push", "own"):
+    xs = [st[step] for st in map(epilogue_steps, last) if step in st]
+    if xs:
+      out["last_cta"][f"{step}_us_sum"] = us(sum(xs))
   stamped = [f for f in frames(trace) if f["entry"] is not None and f["exit"] is not None]
   if stamped:  # before and after the consumers: set-up; the partitions' join and finish_call
     spread = lambda xs: [us(min(xs)), us(np.median(xs)), us(max(xs))]

@@ -174,6 +174,7 @@ def gemm_rs_kernel(
         signal_add_all((table_address(table_ptr, tl.minimum(o, WORLD - 1)) + FLAGS_OFF).to(
             tl.pointer_type(tl.int32)) + (parity * WORLD + rank) * MAX_CHUNKS + tn, 1,
             (o < WORLD) & (o != rank) & mine)
+        tl_trace.stamp(trace_ptr, nth, u, tl_trace.PUSHED, TRACE)
         own = (owner == rank) & in_tile
         if tl.max(own.to(tl.int32), axis=0) > 0:  # this GPU's own rows: the peers' partials
           peers = tl.arange(0, FLAG_BLOCK // MAX_CHUNKS)  # every peer's push at once

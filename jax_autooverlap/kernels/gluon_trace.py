@@ -1,9 +1,9 @@
 """A per-tile timeline of the Gluon kernels' consumers, for the loopback benchmark's --trace.
 
 Built in only where a launch asks for it (TRACE = 1; otherwise no code and a 4-element
-placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS, 4].  Row 0 of a CTA holds
-(%globaltimer, %clock64) read together when its consumers start, to align CTAs, and both
-again when they end; row 1 + j holds the CTA's j-th tile: (tile number, then %clock64 when
+placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS, FIELDS] (tl_trace.py's layout,
+whose last two fields these kernels leave zero).  Row 0 of a CTA holds (%globaltimer,
+%clock64) read together when its consumers start, to align CTAs, and both again when they end; row 1 + j holds the CTA's j-th tile: (tile number, then %clock64 when
 the consumers had its number, when its main loop had finished, and when its epilogue had
 issued its TMA store); the last row (FRAME) holds %clock64 at the kernel's first statement and
 after its last (before and after the partitions: descriptors, the call's state, the partitions'
@@ -17,7 +17,7 @@ from triton.experimental.gluon import language as gl
 from jax_autooverlap.kernels.sync import clock64, globaltimer
 
 SLOTS = gl.constexpr(256)
-FIELDS = gl.constexpr(4)
+FIELDS = gl.constexpr(6)
 GOT_TILE = gl.constexpr(1)
 MAIN_DONE = gl.constexpr(2)
 EPILOGUE_DONE = gl.constexpr(3)

@@ -135,12 +135,14 @@ def tile_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counters
 @triton.jit
 def sum_own_rows(acc, slot, part, partials_ptr, counters, err_slot, op_id, rank,
                 TIMEOUT_NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT_K: tl.constexpr, R: tl.constexpr):
+                SPLIT_K: tl.constexpr, R: tl.constexpr, trace_ptr=0, j=0,
+                TRACE: tl.constexpr = False):
   """Rows [part * R, part * R + R) of the split tile `slot`'s sum over its parts (the module's
   Spread; R: a power of 2 >= BLOCK_M / SPLIT_K, so the last parts may have fewer rows or none;
   rows past BLOCK_M are zeros): store this part's partial, count it, wait for the other parts'
   counts where this part has rows (a timeout records chunk -1 - slot of the own rank), then
-  sum the rows of every partial in part order."""
+  sum the rows of every partial in part order.  TRACE: when the wait had passed, stamped as
+  the CTA's j-th unit (tl_trace.PARTS_IN)."""
   cols = tl.arange(0, BLOCK_N)
   rows = tl.arange(0, BLOCK_M)
   base = partials_ptr + slot.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
@@ -150,6 +152,7 @@ def sum_own_rows(acc, slot, part, partials_ptr, counters, err_slot, op_id, rank,
   mine = part * R + tl.arange(0, R)
   if part * R < BLOCK_M:
     wait_at_least(counters + slot, SPLIT_K, err_slot, op_id, rank, rank, -1 - slot, TIMEOUT_NS)
+  tl_trace.stamp(trace_ptr, j, slot, tl_trace.PARTS_IN, TRACE)
   offs = mine[:, None] * BLOCK_N + cols[None, :]
   mask = mine[:, None] < BLOCK_M
   total = tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -166,7 +169,8 @@ def spread_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counte
                 TIMEOUT_NS: tl.constexpr, R: tl.constexpr, trace_ptr=0, j=0,
                 TRACE: tl.constexpr = False):
   """tile_part with Spread (every tile split: SPLIT_FROM == 0): rows [part * R, part * R + R)
-  of tile t's sum (sum_own_rows), for the caller to store those of them below BLOCK_M."""
+  of tile t's sum (sum_own_rows), for the caller to store those of them below BLOCK_M.
+  TRACE: the main loop's end and the other parts' arrival stamped as the CTA's j-th unit."""
   k_lo, k_hi = k_range(part, K, BLOCK_K, SPLIT_K)
   acc = dot_k(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), a_desc, b_desc, row0, col0, k_lo,
               k_hi, BLOCK_K, FP8)
@@ -174,4 +178,4 @@ def spread_part(a_desc, b_desc, row0, col0, t, part, scale, partials_ptr, counte
   if FP8:
     acc = acc * scale
   return sum_own_rows(acc, t, part, partials_ptr, counters, err_slot, op_id, rank, TIMEOUT_NS,
-                     BLOCK_M, BLOCK_N, SPLIT_K, R)
+                     BLOCK_M, BLOCK_N, SPLIT_K, R, trace_ptr, j, TRACE)

@@ -9,7 +9,10 @@ pushes, its share of the own shard's copy and the wait for every source), when i
 had finished, and when its epilogue (split-K's combine, the store) had.  GEMM+RS has no wait
 before a unit's main loop (its first stamp is when the unit was claimed); its epilogue is the
 push of the peers' rows or, for the own rows, the wait for every peer's partials and their sum.
-Built in only with TRACE = 1.
+Two more fields split a finishing unit's epilogue where it has those steps: PARTS_IN, when a
+split part's wait for the tile's other parts had passed (split_k.sum_own_rows, Spread), and
+PUSHED, when the packed GEMM+RS had pushed the peers' rows and signalled their owners (the own
+rows' wait and sum follow); zero where a unit has no such step.  Built in only with TRACE = 1.
 """
 import triton
 import triton.language as tl
@@ -17,10 +20,12 @@ import triton.language as tl
 from jax_autooverlap.kernels.sync import clock64, globaltimer
 
 SLOTS = tl.constexpr(256)  # gluon_trace.py's layout (tests/test_loopback.py checks it)
-FIELDS = tl.constexpr(4)
+FIELDS = tl.constexpr(6)
 GOT_TILE = tl.constexpr(1)
 MAIN_DONE = tl.constexpr(2)
 EPILOGUE_DONE = tl.constexpr(3)
+PARTS_IN = tl.constexpr(4)
+PUSHED = tl.constexpr(5)
 TILE_SLOTS = tl.constexpr(SLOTS.value - 1)  # the last row is gluon_trace.py's FRAME (zeros here)
 
 

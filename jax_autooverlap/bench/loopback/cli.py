@@ -439,8 +439,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--tag", default="", help="suffix of the output file names")
   ap.add_argument("--trace", action="store_true",
                   help="also record one call's per-tile timeline of the Gluon engine alone and the "
-                       "fused Gluon kernel (kernels/gluon_trace.py), and of each tl --variant of "
-                       "AG+GEMM (kernels/tl_trace.py): summary JSON + raw .npz")
+                       "fused Gluon kernel (kernels/gluon_trace.py), and of each tl --variant "
+                       "(kernels/tl_trace.py): summary JSON + raw .npz")
   ap.add_argument("--out", default="bench/results",
                   help="directory of the JSON and table (default: %(default)s)")
   return ap
