@@ -73,8 +73,8 @@ def copy_block(m_shard: int, k: int, block_m: int, world: int = 2, num_comm: int
 
 def trace_out_type(num_ctas: int, trace: bool):
   """The trace operand of a launch (kernels/gluon_trace.py, tl_trace.py: one layout):
-  [num_ctas, 1 + SLOTS, FIELDS] int64 where the launch records it (zeroed before: rows of tiles a
-  CTA did not run stay 0), else a 4-element placeholder the kernel never touches."""
+  [num_ctas, 1 + SLOTS, FIELDS] int64 where the launch records it (zeroed before: rows of tiles
+  a CTA did not run stay 0), else a 4-element placeholder the kernel never touches."""
   import jax
   from jax_autooverlap.kernels import gluon_trace
   shape = (num_ctas, 1 + gluon_trace.SLOTS.value, gluon_trace.FIELDS.value) if trace else (4,)

@@ -63,7 +63,8 @@ def tiles(trace: np.ndarray) -> list[dict]:
 def epilogue_steps(r: dict) -> dict:
   """A tile's epilogue (ns) in the steps its kernel stamped: parts_wait (main loop's end to the
   other parts' arrival), push (to the peers' rows pushed and signalled, from the parts' arrival
-  or the main loop's end), own (the rest: the own rows' wait and sum); {} where none is."""
+  or the main loop's end), own (the rest: GEMM+RS's own rows' wait and sum; the AG's sum of
+  the parts' rows and their store); {} where none is."""
   out = {}
   at = r["main_done"]
   if r["parts_in"] is not None:

@@ -2,14 +2,14 @@
 
 Built in only where a launch asks for it (TRACE = 1; otherwise no code and a 4-element
 placeholder operand): the trace is int64 [num_ctas, 1 + SLOTS, FIELDS] (tl_trace.py's layout,
-whose last two fields these kernels leave zero).  Row 0 of a CTA holds (%globaltimer,
-%clock64) read together when its consumers start, to align CTAs, and both again when they end; row 1 + j holds the CTA's j-th tile: (tile number, then %clock64 when
-the consumers had its number, when its main loop had finished, and when its epilogue had
-issued its TMA store); the last row (FRAME) holds %clock64 at the kernel's first statement and
-after its last (before and after the partitions: descriptors, the call's state, the partitions'
-join, finish_call), then zeros.  Tiles past TILE_SLOTS are not recorded.  The clock is the
-SM's cycle counter (bench/timeline.py turns it into ns with the clock rate seen between the
-CTA's two %globaltimer reads).
+whose last two fields these kernels leave zero).  Row 0 of a CTA holds (%globaltimer, %clock64)
+read together when its consumers start, to align CTAs, and both again when they end; row 1 + j
+holds the CTA's j-th tile: (tile number, then %clock64 when the consumers had its number, when
+its main loop had finished, and when its epilogue had issued its TMA store); the last row
+(FRAME) holds %clock64 at the kernel's first statement and after its last (before and after the
+partitions: descriptors, the call's state, the partitions' join, finish_call), then zeros.  Tiles
+past TILE_SLOTS are not recorded.  The clock is the SM's cycle counter (bench/timeline.py turns
+it into ns with the clock rate seen between the CTA's two %globaltimer reads).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
