@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A GPU call on branch gluon-f32-wide (or main after `git apply
 # bench/results/round-next-gluon-f32-wide/gluon-f32-wide.patch`; carry [".whl"]; ~6 min): float32
-# products (preferred_element_type=float32 of bf16/fp8 operands) in the Gluon AG's 128x256 tiles, the
-# tile stored in two column halves through one 64 KB buffer (gluon_engine.out_block_n; the
+# products (preferred_element_type=float32 of bf16/fp8 operands) in the Gluon AG's 128x256 tiles,
+# the tile stored in two column halves through one 64 KB buffer (gluon_engine.out_block_n; the
 # Gluon GEMM+RS keeps 128x128). Main (round-2026-12-05-b/call3): the Gluon AG in 128x128 took
 # 1.495 / 1.479 x cuBLAS's float32-output GEMM (bf16; 4096x8192x8192 / 8192x4096x4096) and
 # 1.509 / 1.404 (fp8), tl in 128x256 1.059 / 1.309 and 1.098 / 1.455. Predicted: the Gluon AG
