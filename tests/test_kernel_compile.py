@@ -532,6 +532,40 @@ def test_the_gluon_ag_stores_a_float32_tile_of_256_columns_in_halves(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_gluon_gemm_alone_stores_a_float32_tile_of_256_columns_in_halves(
+    monkeypatch, tmp_path, dtype):
+  """The Gluon engine's GEMM alone (the benchmarks' engine_alone, backends/gluon.launch_gemm)
+  at 128x256 compiles for a 16-bit and a float32 output, the float32 tile in two column halves
+  (one 2-D TMA store more) and without spills.  (The float32 build once failed under Triton
+  3.6 alone: its output descriptor took the buffer's width as a plain int.)"""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  dt = jnp.dtype(dtype)
+  cfg = dataclasses.replace(select.default_kernel(dt), engine="gluon")
+  assert (cfg.block_m, cfg.block_n) == (128, 256)
+  m, k, n = 1024, 2048, 1024
+  b = (n, k) if fp8.is_fp8(dt) else (k, n)
+  counts = {}
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    dump = tmp_path / jnp.dtype(out_dtype).name
+    monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(dump))
+    f = lambda a, b, out=out_dtype: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=out,
+                                                      num_sms=132, compute_capability=90)
+    jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(
+            jax.ShapeDtypeStruct((m, k), dt), jax.ShapeDtypeStruct(b, dt))
+    (ptx,) = [pathlib.Path(p).read_text()
+              for p in glob.glob(str(dump / "**" / "*.ptx"), recursive=True)]
+    assert "wgmma.mma_async" in ptx
+    counts[jnp.dtype(out_dtype).name] = len(re.findall(
+        r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))
+    _assert_no_spills(ptx, tmp_path)
+  assert counts["float32"] == counts["bfloat16"] + 1, counts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_a_float32_tile_of_256_columns_is_stored_in_halves(monkeypatch, tmp_path, op, dtype):
   """tl's 128x256 tiles of a float32 product: the AG stores the tile in two column halves
