@@ -223,24 +223,26 @@ def test_fixed_candidates_per_group_size_and_engine():
 def test_a_float32_product_of_narrower_operands_is_measured_in_tiles_that_hold_it(
     op, dtype):
   """dot_general(..., preferred_element_type=float32) of bf16 or fp8 operands: the Gluon
-  engine's 128x256 tiles cannot hold a float32 output tile (shared memory), so its fixed
-  candidates take 128x128; the tl engine keeps 128x256 (its AG stores the tile in column
-  halves, its GEMM+RS sums and stores its own tiles so; whole, the AG's buffer overflowed
-  shared memory and GEMM+RS spilled).  A first call times both engines."""
+  GEMM+RS's 128x256 tiles cannot hold a float32 output tile (shared memory: it stages and
+  sums the whole tile), so its fixed candidates take 128x128; the Gluon AG and the tl engine
+  keep 128x256 (the AGs store the tile in column halves, tl's GEMM+RS sums and stores its own
+  tiles so; whole, the AGs' buffers overflowed shared memory and GEMM+RS spilled).  A first
+  call times both engines."""
   f32 = np.float32
   usual = select.default_kernel(dtype)
-  assert select.default_kernel(dtype, f32) == usual
+  assert select.default_kernel(dtype, f32, op) == usual
   assert select.unsupported(1024, 4096, 4096, dtype, f32, usual, op) is None
   gluon = dataclasses.replace(usual, engine="gluon")
-  assert select.unsupported(1024, 4096, 4096, dtype, f32, gluon, op) is not None
-  assert select.wide_output_tiles(gluon, f32) == dataclasses.replace(gluon, block_n=128)
-  assert select.wide_output_tiles(gluon, BF16) == gluon
+  assert (select.unsupported(1024, 4096, 4096, dtype, f32, gluon, op) is None) == (op == "ag")
+  gluon_tiles = dataclasses.replace(gluon, block_n=128) if op == "rs" else gluon
+  assert select.wide_output_tiles(gluon, f32, op) == gluon_tiles
+  assert select.wide_output_tiles(gluon, BF16, op) == gluon
   for w in (2, 4, 8):
     fixed = select.default_candidates(op, w, dtype, "9.0", f32)
     assert [c.engine for c in fixed] == [c.engine for c in
                                          select.default_candidates(op, w, dtype, "9.0")]
     assert all(select.unsupported(1024, 4096, 4096, dtype, f32, c, op) is None for c in fixed)
-    assert {(c.engine, c.block_n) for c in fixed} == {("tl", 256), ("gluon", 128)}
+    assert {(c.engine, c.block_n) for c in fixed} == {("tl", 256), ("gluon", gluon_tiles.block_n)}
     for m in (8192, 1024, 128):  # large, and small enough for the narrow tiles and split-K
       rows = m // w
       v = (select.choose_ag(OverlapConfig(), H200, w, rows, 4096, 8192 // w, dtype, f32,

@@ -493,13 +493,76 @@ def test_small_shape_configs_of_the_shape_list_compile_without_spills(monkeypatc
 def test_float32_products_compile_without_spills(monkeypatch, tmp_path, entry):
   """A float32 product of bf16 or fp8 operands (preferred_element_type=float32): every kind of
   config a first call times for one (tests/ptx_dump.py wide_output_configs; the usual ones in
-  128x256 tiles on tl, 128x128 on Gluon: select.default_kernel, wide_output_tiles) keeps the
+  128x256 tiles, 128x128 in the Gluon GEMM+RS: select.default_kernel, wide_output_tiles) keeps the
   fast paths and the cross-GPU protocol, and ptxas neither spills nor serializes the wgmma."""
   op, dtype, cfg, world, (m, k, n) = entry
   ptx = _ptx(monkeypatch, tmp_path / "dump", jnp.dtype(dtype), cfg, m, k, n, world,
              return_gathered=False, op=op, out_dtype=np.float32)
   (_check_ag if op == "ag" else _check_rs)(ptx, cfg, dtype)
   _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_gluon_ag_stores_a_float32_tile_of_256_columns_in_halves(monkeypatch, tmp_path,
+                                                                     dtype):
+  """The Gluon AG's 128x256 tiles of a float32 product (gluon_engine.out_block_n): the tile
+  goes out in two column halves through one 64 KB buffer, so the kernel allocates what its
+  bf16-output build does (select.shared_memory's count, at most SMEM_SLACK over Triton's) and
+  has one TMA store more than that build (the mover's stores are the same in both); whole, the
+  buffer needed 295,936 bytes, more than a CTA has.  The Gluon GEMM+RS keeps 128x128 for such
+  products (select.wide_output_tiles)."""
+  cfg = dataclasses.replace(select.default_kernel(jnp.dtype(dtype)), engine="gluon")
+  assert select.wide_output_tiles(cfg, np.float32, "ag") == cfg
+  assert select.wide_output_tiles(cfg, np.float32, "rs").block_n == 128
+  store = r"cp\.async\.bulk\.tensor\.3d\.global\.shared"
+  counts = {}
+  for out_dtype, out_bytes in ((np.float32, 4), (None, 2)):
+    dump = tmp_path / f"dump{out_bytes}"
+    ptx = _ptx(monkeypatch, dump, jnp.dtype(dtype), cfg, 2048, 4096, 4096, 2,
+               return_gathered=False, op="ag", out_dtype=out_dtype)
+    counts[out_bytes] = len(re.findall(store, ptx))
+    info = glob.glob(str(dump / "**" / "*.compile_info"), recursive=True)
+    triton_bytes = int(re.search(r"shared_mem_bytes: (\d+)",
+                                 pathlib.Path(info[0]).read_text())[1])
+    model = select.shared_memory(cfg, "ag", jnp.dtype(dtype).itemsize, out_bytes)
+    assert 0 <= model - triton_bytes <= select.SMEM_SLACK, (out_bytes, model, triton_bytes)
+    assert model <= select.SMEM_LIMIT
+    _assert_no_spills(ptx, tmp_path)
+  assert counts[4] == counts[2] + 1, counts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_the_gluon_gemm_alone_stores_a_float32_tile_of_256_columns_in_halves(
+    monkeypatch, tmp_path, dtype):
+  """The Gluon engine's GEMM alone (the benchmarks' engine_alone, backends/gluon.launch_gemm)
+  at 128x256 compiles for a 16-bit and a float32 output, the float32 tile in two column halves
+  (one 2-D TMA store more) and without spills.  (The float32 build once failed under Triton
+  3.6 alone: its output descriptor took the buffer's width as a plain int.)"""
+  from jax_autooverlap._compat import import_jax_triton
+  from jax_autooverlap.backends import gluon
+  import_jax_triton()
+  from jax_triton import triton_lib
+  dt = jnp.dtype(dtype)
+  cfg = dataclasses.replace(select.default_kernel(dt), engine="gluon")
+  assert (cfg.block_m, cfg.block_n) == (128, 256)
+  m, k, n = 1024, 2048, 1024
+  b = (n, k) if fp8.is_fp8(dt) else (k, n)
+  counts = {}
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    dump = tmp_path / jnp.dtype(out_dtype).name
+    monkeypatch.setattr(triton_lib, "_JAX_TRITON_DUMP_DIR", str(dump))
+    f = lambda a, b, out=out_dtype: gluon.launch_gemm(a, b, kernel=cfg, out_dtype=out,
+                                                      num_sms=132, compute_capability=90)
+    jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call_ffi")])(
+            jax.ShapeDtypeStruct((m, k), dt), jax.ShapeDtypeStruct(b, dt))
+    (ptx,) = [pathlib.Path(p).read_text()
+              for p in glob.glob(str(dump / "**" / "*.ptx"), recursive=True)]
+    assert "wgmma.mma_async" in ptx
+    counts[jnp.dtype(out_dtype).name] = len(re.findall(
+        r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx))
+    _assert_no_spills(ptx, tmp_path)
+  assert counts["float32"] == counts["bfloat16"] + 1, counts
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])

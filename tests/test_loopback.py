@@ -67,17 +67,19 @@ def test_fp8_case_stores_b_k_major_and_scales_in_the_epilogue():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_a_float32_product_case_pushes_and_sums_float32_partials(dtype):
   """`--out-dtype float32` (preferred_element_type=float32): the product, GEMM+RS's partials in
-  the workspaces and XLA's GEMM are float32; the AG still pushes the operands; tl keeps its
-  128x256 tiles (stored, and GEMM+RS's own ones summed, in column halves), Gluon takes 128x128
-  (its whole float32 128x256 output tile would not fit its shared memory)."""
+  the workspaces and XLA's GEMM are float32; the AG still pushes the operands; tl and the
+  Gluon AG keep their 128x256 tiles (stored, and tl GEMM+RS's own ones summed, in column
+  halves), the Gluon GEMM+RS takes 128x128 (it stages and sums the whole float32 tile, which
+  would not fit its shared memory at 128x256)."""
   ag, rs = (fixture.Case(op, 4096, 8192, 8192, dtype=dtype, out="float32") for op in ("ag", "rs"))
   assert ag.out_dtype == rs.out_dtype == rs.piece_dtype == "float32" and ag.piece_dtype == dtype
   assert fixture.piece_bytes(rs) == 2 * fixture.piece_bytes(fixture.Case("rs", 4096, 8192, 8192))
   assert ag.label == "4096x8192x8192->float32"
   for case in (ag, rs):
     cfgs = cli.kernel_configs(case, "NVIDIA H200", ["tl", "gluon"])
+    gluon_n = 256 if case.op == "ag" else 128
     assert {e: (c.block_m, c.block_n) for e, c in cfgs.items()} == {"tl": (128, 256),
-                                                                    "gluon": (128, 128)}
+                                                                    "gluon": (128, gluon_n)}
     a = jax.ShapeDtypeStruct(case.a_shape, fixture.np_dtype(case.dtype))
     b = jax.ShapeDtypeStruct(case.b_shape, fixture.np_dtype(case.dtype))
     assert jax.eval_shape(programs.gemm_program(case), a, b).dtype == np.float32
@@ -623,7 +625,8 @@ def test_stages_add_each_variant_in_deeper_pipelines_where_its_shared_memory_fit
 
 def test_the_shared_memory_model_counts_what_each_kernel_allocates():
   """select.shared_memory: the operand stages; the output tile where the kernel stores through
-  shared memory (both Gluon kernels; tl AG+GEMM unsplit); the Gluon AG
+  shared memory (both Gluon kernels; tl AG+GEMM unsplit; the AGs' 4-byte tiles of 256
+  columns in halves); the Gluon AG
   mover's two 8 KB staging boxes; SMEM_SLACK.  (test_kernel_compile.py compares it with
   Triton's own count.)"""
   from jax_autooverlap.tuning import select
@@ -649,10 +652,14 @@ def test_the_shared_memory_model_counts_what_each_kernel_allocates():
   assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32, tl, "rs") is None
   assert "spills registers" in select.unsupported(
       2048, 4096, 4096, jnp.bfloat16, np.float32, dataclasses.replace(tl, split_k=2), "rs")
-  assert "needs 295936 bytes" in select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
-                                                    gluon, "ag")
+  # the Gluon AG too (gluon_engine.out_block_n); the Gluon GEMM+RS stages and sums the whole
+  # tile, which does not fit at 128x256
+  assert select.shared_memory(gluon, "ag", 2, 4) == 3 * stage + out + 16384 + slack
+  assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32, gluon, "ag") is None
+  assert "needs 279552 bytes" in select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
+                                                    gluon, "rs")
   assert select.unsupported(2048, 4096, 4096, jnp.bfloat16, np.float32,
-                            dataclasses.replace(gluon, block_n=128), "ag") is None
+                            dataclasses.replace(gluon, block_n=128), "rs") is None
 
 
 def test_a_grown_workspace_puts_parity_slot_1_half_way_through_the_buffers():

@@ -243,10 +243,10 @@ def _consumers(out_ptr, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
   (first used at their first epilogue; made here, it does not hold up the producer)."""
   # (M_SHARD and N arrive as values, not constexprs: the descriptor takes c_smem's layout)
   BLOCK_M: gl.constexpr = c_smem.shape[1]
-  BLOCK_N: gl.constexpr = c_smem.shape[2]
+  OUT_N: gl.constexpr = c_smem.shape[2]  # the epilogue buffer's columns (eng.out_block_n)
   o_desc = eng.tma.make_tensor_descriptor(out_ptr, shape=[WORLD, M_SHARD, N],
                                           strides=[M_SHARD * N, N, 1],
-                                          block_shape=[1, BLOCK_M, BLOCK_N], layout=c_smem.layout)
+                                          block_shape=[1, BLOCK_M, OUT_N], layout=c_smem.layout)
   eng.compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
                         tile_free, rank, trace_ptr, K, WORLD, TM, TN, GROUP_M, TRACE, scale)
 
@@ -281,8 +281,9 @@ def gluon_ag_gemm_kernel(
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc,
                                                                                   STAGES)
   out_dtype: gl.constexpr = out_ptr.dtype.element_ty
-  c_smem = gl.allocate_shared_memory(out_dtype, [1, BLOCK_M, BLOCK_N],
-                                     eng.shared_layout([1, BLOCK_M, BLOCK_N], out_dtype))
+  OUT_N: gl.constexpr = eng.out_block_n(BLOCK_N, out_dtype)
+  c_smem = gl.allocate_shared_memory(out_dtype, [1, BLOCK_M, OUT_N],
+                                     eng.shared_layout([1, BLOCK_M, OUT_N], out_dtype))
   mv_bufs = gl.allocate_shared_memory(dtype, [2, 1, BOX, box_cols(dtype)], a3_desc.layout)
   mv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
   for i in gl.static_range(2):

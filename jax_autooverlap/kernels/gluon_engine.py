@@ -95,6 +95,17 @@ def b_block_n(block_shape, dtype):
 
 
 @gluon.constexpr_function
+def out_block_n(block_n, out_dtype):
+  """Columns of the store-only kernels' epilogue buffer (compute_and_store): a 4-byte output
+  tile of 256 columns or more is written in two column halves through a buffer of half its
+  width (64 KB at 128x256, the bytes of a 16-bit tile), so it fits beside the operand stages
+  (select.shared_memory counts the same)."""
+  block_n = getattr(block_n, "value", block_n)
+  out_dtype = getattr(out_dtype, "value", out_dtype)
+  return block_n // 2 if out_dtype.primitive_bitwidth == 32 and block_n >= 256 else block_n
+
+
+@gluon.constexpr_function
 def shared_layout(block_shape, dtype):
   return gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
 
@@ -427,11 +438,14 @@ def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_
   the producer publishes (tile_of's order), computed and TMA-stored into o_desc, which is
   [rows, cols] where rank is None (the GEMM, WORLD = 1), else [src, rows, cols] (AG+GEMM: the
   tile of step s is source rank (rank - s) mod WORLD's; a ragged last tile row of a shard is
-  clipped at its end).  trace_ptr: the timeline (gluon_trace.py) where TRACE.  scale (fp8):
-  what the f32 accumulator is multiplied by before the output cast (None: nothing)."""
+  clipped at its end).  c_smem: the epilogue buffer, out_block_n columns wide (a 4-byte tile
+  of 256 columns goes out in two column halves).  trace_ptr: the timeline (gluon_trace.py)
+  where TRACE.  scale (fp8): what the f32 accumulator is multiplied by before the output cast
+  (None: nothing)."""
   BLOCK_M: gl.constexpr = a_bufs.shape[1]
   BLOCK_K: gl.constexpr = a_bufs.shape[2]
   BLOCK_N: gl.constexpr = b_block_n(b_bufs.shape, b_bufs.dtype)
+  W: gl.constexpr = c_smem.shape[len(c_smem.shape) - 1]  # the epilogue buffer's columns
   WARPS: gl.constexpr = consumer_warps(BLOCK_M)
   trace.start(trace_ptr, TRACE)
   it = 0
@@ -444,12 +458,17 @@ def compute_and_store(o_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_
     step, tm, tn = tile_of(t, WORLD, TM, TN, GROUP_M)
     if scale is not None:
       acc = acc * scale
-    if rank is None:
-      stage_out(acc.to(o_desc.dtype), c_smem)
-      tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N], c_smem)
-    else:
-      stage_out(acc.to(o_desc.dtype), c_smem.reshape([BLOCK_M, BLOCK_N]))
-      tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N], c_smem)
+    # the tile in column parts of the epilogue buffer's width (out_block_n), each staged once
+    # the previous part's store has read the buffer (stage_out)
+    parts = split_columns(acc, BLOCK_N // W)
+    for h in gl.static_range(BLOCK_N // W):
+      if rank is None:
+        stage_out(parts[h].to(o_desc.dtype), c_smem)
+        tma_store(o_desc, [tm * BLOCK_M, tn * BLOCK_N + h * W], c_smem)
+      else:
+        stage_out(parts[h].to(o_desc.dtype), c_smem.reshape([BLOCK_M, W]))
+        tma_store(o_desc, [(rank + WORLD - step) % WORLD, tm * BLOCK_M, tn * BLOCK_N + h * W],
+                  c_smem)
     trace.stamp(trace_ptr, j, t, trace.EPILOGUE_DONE, TRACE)
     j += 1
     t = next_tile(tiles, tile_ready, tile_free, j, WARPS)

@@ -38,7 +38,8 @@ def _consumers(c_ptr, M: gl.constexpr, N: gl.constexpr, BLOCK_M: gl.constexpr,
                TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   """The consumers make the output's descriptor themselves: it is first used at their first
   epilogue, and made here it does not hold up the producer's first loads."""
-  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, BLOCK_N])
+  OUT_N: gl.constexpr = eng.out_block_n(BLOCK_N, c_ptr.dtype.element_ty)  # c_smem's columns
+  c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, OUT_N])
   eng.compute_and_store(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
                         tile_free, None, trace_ptr, K, 1, TM, TN, GROUP_M, TRACE)
 
@@ -53,8 +54,9 @@ def gluon_gemm_kernel(a_desc, b_desc, c_ptr, trace_ptr, scratch_ptr,
   """a_desc, b_desc: host-made descriptors of a [M, K] and b [K, N] (fp8: [N, K])."""
   trace.kernel_entry(trace_ptr, TRACE)
   a_bufs, b_bufs, ready, empty, tiles, tile_ready, tile_free = eng.alloc_pipeline(a_desc, b_desc, STAGES)
-  c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
-                                     eng.shared_layout([BLOCK_M, BLOCK_N], c_ptr.dtype.element_ty))
+  OUT_N: gl.constexpr = eng.out_block_n(BLOCK_N, c_ptr.dtype.element_ty)
+  c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, OUT_N],
+                                     eng.shared_layout([BLOCK_M, OUT_N], c_ptr.dtype.element_ty))
   TM: gl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
   TN: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
   gl.warp_specialize([

@@ -133,26 +133,28 @@ def wide_product(dtype, out_dtype) -> bool:
   return out_dtype is not None and np.dtype(out_dtype).name != default
 
 
-def default_kernel(dtype, out_dtype=None) -> KernelConfig:
+def default_kernel(dtype, out_dtype=None, op: str = "ag") -> KernelConfig:
   """The config where no measurement names one.  Its engine is $JAX_AUTOOVERLAP_ENGINE if set
   (e.g. `gluon`: run the GPU tests on that engine), else "tl"; float32 always runs "tl".  fp8
   takes K tiles of 128 (one 128-byte swizzled row per stage, as 64 bf16 columns; the same
   shared memory per stage).  A 4-byte output (out_dtype, default the operands') of 16-bit or
-  fp8 operands keeps 128x256 tiles on tl (whose kernels store, and GEMM+RS's own tiles sum,
-  such a tile in column halves) and takes 128x128 on Gluon (wide_output_tiles)."""
+  fp8 operands keeps 128x256 tiles (whose kernels store, and tl GEMM+RS's own tiles sum, such
+  a tile in column halves) except in the Gluon GEMM+RS of `op` "rs" (wide_output_tiles)."""
   if np.dtype(dtype).itemsize == 4:
     return KernelConfig(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
   engine = os.environ.get("JAX_AUTOOVERLAP_ENGINE", "tl")
   cfg = KernelConfig(block_k=128 if fp8.is_fp8(dtype) else 64, engine=engine)
-  return wide_output_tiles(cfg, out_dtype)
+  return wide_output_tiles(cfg, out_dtype, op)
 
 
-def wide_output_tiles(cfg: KernelConfig, out_dtype) -> KernelConfig:
-  """`cfg` in tiles that hold a 4-byte output of narrower operands on its engine: the Gluon
-  kernels stage the whole output tile in shared memory, so 128x256 becomes 128x128 there (the
-  same bytes as a 16-bit 128x256 tile); the tl kernels keep their tiles."""
-  if (cfg.engine == "gluon" and out_dtype is not None and np.dtype(out_dtype).itemsize == 4
-      and cfg.block_m * cfg.block_n > 128 * 128):
+def wide_output_tiles(cfg: KernelConfig, out_dtype, op: str = "ag") -> KernelConfig:
+  """`cfg` in tiles that hold a 4-byte output of narrower operands in the kernel of `op` (ag |
+  rs) on its engine: the Gluon GEMM+RS stages and sums the whole output tile in shared memory,
+  so 128x256 becomes 128x128 there (the same bytes as a 16-bit 128x256 tile); the Gluon AG
+  stores such a tile in column halves (gluon_engine.out_block_n) and the tl kernels keep
+  their tiles."""
+  if (cfg.engine == "gluon" and op == "rs" and out_dtype is not None
+      and np.dtype(out_dtype).itemsize == 4 and cfg.block_m * cfg.block_n > 128 * 128):
     return dataclasses.replace(cfg, block_n=128)
   return cfg
 
@@ -206,10 +208,12 @@ def shared_memory(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) -> 
   8 KB each); and the barriers."""
   stage = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * in_bytes
   out_tile = cfg.block_m * cfg.block_n * out_bytes
+  # the AGs store a 4-byte tile of 256 columns or more in halves (kernels/ag_gemm.py,
+  # gluon_engine.out_block_n)
+  halves = 2 if out_bytes == 4 and cfg.block_n >= 256 and op == "ag" else 1
   if cfg.engine == "gluon":
-    extra = out_tile + (2 * GLUON_STAGING_BOX if op == "ag" else 0)
-  else:  # the tl AG stores a 4-byte tile of 256 columns or more in halves (kernels/ag_gemm.py)
-    halves = 2 if out_bytes == 4 and cfg.block_n >= 256 else 1
+    extra = out_tile // halves + (2 * GLUON_STAGING_BOX if op == "ag" else 0)
+  else:
     extra = out_tile // halves if op == "ag" and cfg.split_k == 1 else 0
   return cfg.num_stages * stage + extra + SMEM_SLACK
 
@@ -299,8 +303,9 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
                    num_sms: int = NUM_SMS) -> list[KernelConfig]:
   """`tl` with the shards (AG) or owners' rows (GEMM+RS) packed into the row tiles
   (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
-  one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on 8 GPUs (16-row shards) the 64-row tiles of one source or owner each
-  read B 8 times per call and are three quarters empty; 128-row packed tiles read it once."""
+  one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on
+  8 GPUs (16-row shards) the 64-row tiles of one source or owner each read B 8 times per call
+  and are three quarters empty; 128-row packed tiles read it once."""
   out = []
   for bm, bn in PACKED_TILES:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
@@ -375,7 +380,7 @@ def deepest_stages(cfg: KernelConfig, op: str, in_bytes: int, out_bytes: int) ->
 def candidate_configs(op: str, model: cost_model.CostModel, dtype,
                       out_dtype=None) -> list[KernelConfig]:
   """Every config the model can rank: its tile shapes x chunk counts (x movers for AG)."""
-  base = default_kernel(dtype, out_dtype)
+  base = default_kernel(dtype, out_dtype, op)
   out = []
   for tile in sorted(model.tiles):
     bm, bn, bk = map(int, tile.split("x"))
@@ -402,11 +407,11 @@ def default_candidates(op: str, world: int, dtype, compute_capability=None,
     first = DEFAULT_TL[op][w][0]
     chunks, movers = first if op == "ag" else (first, base.num_comm)
     return (dataclasses.replace(base, chunks=chunks, num_comm=movers),)
-  base = dataclasses.replace(default_kernel(dtype, out_dtype), engine="tl")
+  base = dataclasses.replace(default_kernel(dtype, out_dtype, op), engine="tl")
   out = [dataclasses.replace(base, chunks=c, num_comm=m) for c, m in DEFAULT_TL["ag"][w]] \
       if op == "ag" else [dataclasses.replace(base, chunks=c) for c in DEFAULT_TL["rs"][w]]
   if gluon_candidate(dtype, compute_capability):
-    gluon = wide_output_tiles(dataclasses.replace(base, engine="gluon"), out_dtype)
+    gluon = wide_output_tiles(dataclasses.replace(base, engine="gluon"), out_dtype, op)
     if op == "ag":
       out += [dataclasses.replace(gluon, chunks=c, num_comm=m) for c, m in DEFAULT_GLUON["ag"][w]]
     else:
@@ -445,7 +450,7 @@ def first_call_candidates(op: str, model, world: int, sizes: tuple[int, int, int
     ordered = [c for _, c in model.rank(op, rows, k, cols, space, out_item)[:AUTOTUNE_CANDIDATES]]
     ordered += [c for c in fixed if c not in ordered]
   engines = ("tl", "gluon") if gluon_candidate(dtype, compute_capability) else ("tl",)
-  base = next(iter(tl(ordered)), default_kernel(dtype, out_dtype))
+  base = next(iter(tl(ordered)), default_kernel(dtype, out_dtype, op))
   small = [c for c in small_shape_configs(op, world, cfg_rows, k, cols, dtype, out_dtype, base,
                                           model.num_sms if model else NUM_SMS, engines)
            if c not in ordered]
@@ -547,7 +552,7 @@ def _choose(op: str, config: OverlapConfig, device_kind: str, world: int, key: s
             sizes: tuple[int, int, int], shard_rows: int, dtype, out_dtype,
             why_not: str | None, compute_capability, props) -> Verdict:
   explicit = config.kernel
-  cfg = explicit or default_kernel(dtype, out_dtype)
+  cfg = explicit or default_kernel(dtype, out_dtype, op)
   why_not = (why_not or unsupported(shard_rows, sizes[1], sizes[2], dtype, out_dtype, cfg, op)
              or split_k_unsupported(cfg, fused_tiles(world, shard_rows, sizes[2], cfg), sizes[1]))
   if why_not:

@@ -39,14 +39,15 @@ def kernel_configs(case: Case, device_kind: str, engines) -> dict:
                          case.n, dtype, out_dtype)
   fixed = select.default_candidates(case.op, w, dtype, select.GLUON_CAPABILITY, out_dtype)
   first = lambda engine: next((c for c in fixed if c.engine == engine), None)
-  base = v.kernel or first("tl") or select.default_kernel(dtype, out_dtype)
+  base = v.kernel or first("tl") or select.default_kernel(dtype, out_dtype, case.op)
   # a tl pick's movers are CTAs, the Gluon engine's are warps: where the tuner picked tl, the
   # Gluon variant takes the chunks and movers of the group's first Gluon first-call candidate
   gluon = first("gluon")
   out = {}
   for engine in engines:
     try:
-      cfg = select.wide_output_tiles(dataclasses.replace(base, engine=engine), out_dtype)
+      cfg = select.wide_output_tiles(dataclasses.replace(base, engine=engine), out_dtype,
+                                     case.op)
       if engine == "gluon" and base.engine != "gluon" and gluon is not None:
         cfg = dataclasses.replace(cfg, chunks=gluon.chunks, num_comm=gluon.num_comm)
     except ValueError as e:  # the tuner's tiles do not fit this engine
