@@ -424,6 +424,29 @@ def test_timeline_splits_a_tl_epilogue_into_its_stamped_steps():
   assert all(r["parts_in"] is None and r["pushed"] is None for r in timeline.tiles(trace[:, :, :4]))
 
 
+def test_timeline_splits_a_spread_parts_wait_into_skew_and_release():
+  """A Spread part's parts_wait (kernels/split_k.py sum_own_rows) = its skew (to the last main-
+  loop end among its tile's parts; unit u = tile * split_k + part) + the release (from that end
+  to its PARTS_IN: the last part's partial stored and counted, and seen); reported only where
+  the tl config's split_k is given."""
+  from jax_autooverlap.bench import timeline
+  trace = np.zeros((2, 3, 6), np.int64)
+  trace[:, 0, :4] = (1_800_000_000_000_010_000, 1_000, 1_800_000_000_000_040_000, 61_000)
+  # (unit, claimed, main loop done, epilogue done, parts in, pushed): 2 cycles per ns
+  trace[0, 1] = (0, 3_000, 23_000, 35_000, 27_000, 31_000)  # main ends at 11 µs, in at 13
+  trace[1, 1] = (1, 3_000, 25_000, 36_000, 28_000, 32_000)  # main ends at 12 µs, in at 13.5
+  steps = timeline.parts_wait_steps(timeline.tiles(trace), 2)
+  assert steps == {(0, 0): {"skew": 1_000, "release": 1_000},
+                   (1, 0): {"skew": 0, "release": 1_500}}
+  s = timeline.summarize(trace, split_k=2)
+  assert (s["parts_wait_us[all]"], s["skew_us[all]"], s["release_us[all]"]) == (1.75, 0.5, 1.25)
+  assert s["last_cta"]["release_us_sum"] == 1.5 and s["last_cta"]["skew_us_sum"] == 0.0
+  assert "skew_us[all]" not in timeline.summarize(trace)
+  # units of different tiles are not each other's parts
+  assert timeline.parts_wait_steps(timeline.tiles(trace), 1) == {
+      (0, 0): {"skew": 0, "release": 2_000}, (1, 0): {"skew": 0, "release": 1_500}}
+
+
 def test_engine_benchmark_table_and_config_names(capsys):
   from jax_autooverlap.bench import engine
   recs = [{"local_gemm": [256, 128, 512], "config": "gemm_alone", "median_ms": 0.2,

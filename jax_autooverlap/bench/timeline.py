@@ -8,8 +8,9 @@ CTA of when its consumers started and ended and, where the kernel stamps them (t
 kernels' FRAME row), when the kernel's first and last statements ran; `summarize` into what
 the loopback benchmark prints: per tile the main loop, the epilogue and the gap before the
 next tile (the consumers waiting for its number or its first stage), where the tl kernels
-stamp them the epilogue's steps (a split part's wait for the tile's other parts, the sum of
-the parts and the push to the peers, the own rows' wait and sum), per CTA the lead (start
+stamp them the epilogue's steps (a split part's wait for the tile's other parts, split into
+the parts' skew and the last part's release, the sum of the parts and the push to the peers,
+the own rows' wait and sum), per CTA the lead (start
 to first tile) and its end, for the CTA that ends last (which sets the kernel's time) where
 its time went, and the time before and after the consumers (set-up, the partitions' join,
 finish_call).
@@ -60,6 +61,10 @@ def tiles(trace: np.ndarray) -> list[dict]:
   return out
 
 
+# the epilogue's steps summarize reports: epilogue_steps', then parts_wait_steps' split of parts_wait
+STEPS = ("parts_wait", "push", "own", "skew", "release")
+
+
 def epilogue_steps(r: dict) -> dict:
   """A tile's epilogue (ns) in the steps its kernel stamped: parts_wait (main loop's end to the
   other parts' arrival), push (to the peers' rows pushed and signalled, from the parts' arrival
@@ -76,8 +81,27 @@ def epilogue_steps(r: dict) -> dict:
   return out
 
 
-def summarize(trace: np.ndarray, kind=None) -> dict:
-  """Medians and sums in µs; kind(tile) -> label splits the per-tile numbers (e.g. own/remote)."""
+def parts_wait_steps(recs: list[dict], split_k: int) -> dict[tuple, dict]:
+  """{(cta, j): {skew, release}} (ns) of the Spread split parts (the units with a PARTS_IN
+  stamp: every tile split, unit u = tile * split_k + part, kernels/split_k.py): skew, from this
+  part's main-loop end to the last one among its tile's recorded parts; release, from that
+  last end to this part's PARTS_IN (the last part's partial stored and counted, this part's
+  poll seeing it).  skew + release = the part's parts_wait."""
+  by_tile: dict[int, list] = {}
+  for r in recs:
+    if r["parts_in"] is not None:
+      by_tile.setdefault(r["tile"] // split_k, []).append(r)
+  out = {}
+  for parts in by_tile.values():
+    last = max(r["main_done"] for r in parts)
+    for r in parts:
+      out[r["cta"], r["j"]] = {"skew": last - r["main_done"], "release": r["parts_in"] - last}
+  return out
+
+
+def summarize(trace: np.ndarray, kind=None, split_k: int = 1) -> dict:
+  """Medians and sums in µs; kind(tile) -> label splits the per-tile numbers (e.g. own/remote);
+  split_k: the tl config's (Spread's parts_wait split into skew and release: parts_wait_steps)."""
   recs = tiles(trace)
   if not recs:
     return {"ctas": 0}
@@ -91,14 +115,15 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
   out = {"ctas": len(by_cta), "tiles": len(recs),
          "sm_clock_ghz": round(float(np.median([rs[0]["ghz"] for rs in by_cta.values()])), 3),
          "tiles_per_cta": [min(map(len, by_cta.values())), max(map(len, by_cta.values()))]}
+  parts = parts_wait_steps(recs, split_k) if split_k > 1 else {}
   groups = {}
   for r in recs:
     groups.setdefault(kind(r["tile"]) if kind else "all", []).append(r)
   for label, rs in sorted(groups.items()):
     out[f"main_us[{label}]"] = us(np.median([r["main_done"] - r["got"] for r in rs]))
     out[f"epilogue_us[{label}]"] = us(np.median([r["epilogue_done"] - r["main_done"] for r in rs]))
-    steps = [epilogue_steps(r) for r in rs]
-    for step in ("parts_wait", "push", "own"):
+    steps = [epilogue_steps(r) | parts.get((r["cta"], r["j"]), {}) for r in rs]
+    for step in STEPS:
       xs = [st[step] for st in steps if step in st]
       if xs:
         out[f"{step}_us[{label}]"] = us(np.median(xs))
@@ -117,8 +142,9 @@ def summarize(trace: np.ndarray, kind=None) -> dict:
       "epilogue_us_sum": us(sum(r["epilogue_done"] - r["main_done"] for r in last)),
       "gap_us_sum": us(sum(b["got"] - a["epilogue_done"] for a, b in zip(last, last[1:]))),
       "end_at_us": us(last[-1]["epilogue_done"] - t0)}
-  for step in ("parts_wait", "push", "own"):
-    xs = [st[step] for st in map(epilogue_steps, last) if step in st]
+  for step in STEPS:
+    xs = [st[step] for st in (epilogue_steps(r) | parts.get((r["cta"], r["j"]), {}) for r in last)
+          if step in st]
     if xs:
       out["last_cta"][f"{step}_us_sum"] = us(sum(xs))
   stamped = [f for f in frames(trace) if f["entry"] is not None and f["exit"] is not None]

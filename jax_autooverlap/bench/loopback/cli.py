@@ -367,13 +367,13 @@ def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
     tl_cfg = explicit_variant(case, configs, "tl", fields)
     if tl_cfg is not None:
       runs[f"ours-{variant_name(tl_cfg)}"] = (fused_program(case, tl_cfg, num_sms, trace=True),
-                                              lb.fused_args(), None)
+                                              lb.fused_args(), None, tl_cfg.split_k)
   summaries, raw = {}, {}
-  for name, (fn, args, k) in runs.items():
+  for name, (fn, args, k, *split_k) in runs.items():
     for _ in range(calls):
       _, trace = jax.block_until_ready(fn(*args))
     raw[name] = np.asarray(trace)
-    summaries[name] = timeline.summarize(raw[name], k)
+    summaries[name] = timeline.summarize(raw[name], k, *split_k)
     log(f"{case.op} {case.label} {name} timeline: {summaries[name]}")
   return summaries, raw
 
