@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU call on main (carry [".whl"]; ~2 min): call 2 (rs-steps) found a spread split part's
+# A GPU call on main (carry [".whl"]; ~2 min): round-2026-12-06-a call 2 (rs-steps) found a spread split part's
 # wait for its tile's other parts the largest step of the packed tl GEMM+RS's epilogue (4.8 us
 # of 8.4 at 128x4096x4096 and 128x14336x4096, w = 8, tl-128x128-k4-p; push 3.3, own 0.06),
 # where it was predicted small. The timeline now splits that wait (timeline.parts_wait_steps)
