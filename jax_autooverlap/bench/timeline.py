@@ -61,7 +61,8 @@ def tiles(trace: np.ndarray) -> list[dict]:
   return out
 
 
-# the epilogue's steps summarize reports: epilogue_steps', then parts_wait_steps' split of parts_wait
+# the epilogue steps summarize reports: epilogue_steps', then parts_wait_steps' split of
+# parts_wait
 STEPS = ("parts_wait", "push", "own", "skew", "release")
 
 

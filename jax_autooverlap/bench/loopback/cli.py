@@ -359,8 +359,8 @@ def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
       kind = lambda t: "own" if t >= (w - 1) * per_source else "remote"
     runs["engine_alone"] = (engine_program(cfg, num_sms, trace=True,
                                            out_dtype=np_dtype(case.out_dtype)), lb.gemm_args(),
-                            None)
-    runs["ours"] = (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind)
+                            None, 1)
+    runs["ours"] = (fused_program(case, cfg, num_sms, trace=True), lb.fused_args(), kind, 1)
   tl_variants = [fields for engine, fields in extra if engine == "tl"]
   configs = kernel_configs(case, device.device_kind, ["tl"]) if tl_variants else {}
   for fields in tl_variants:
@@ -369,11 +369,11 @@ def trace_case(case: Case, device, calls: int = 3, extra=(), gluon: bool = True
       runs[f"ours-{variant_name(tl_cfg)}"] = (fused_program(case, tl_cfg, num_sms, trace=True),
                                               lb.fused_args(), None, tl_cfg.split_k)
   summaries, raw = {}, {}
-  for name, (fn, args, k, *split_k) in runs.items():
+  for name, (fn, args, k, split_k) in runs.items():
     for _ in range(calls):
       _, trace = jax.block_until_ready(fn(*args))
     raw[name] = np.asarray(trace)
-    summaries[name] = timeline.summarize(raw[name], k, *split_k)
+    summaries[name] = timeline.summarize(raw[name], k, split_k)
     log(f"{case.op} {case.label} {name} timeline: {summaries[name]}")
   return summaries, raw
 
