@@ -117,13 +117,14 @@ def summarize(trace: np.ndarray, kind=None, split_k: int = 1) -> dict:
          "sm_clock_ghz": round(float(np.median([rs[0]["ghz"] for rs in by_cta.values()])), 3),
          "tiles_per_cta": [min(map(len, by_cta.values())), max(map(len, by_cta.values()))]}
   parts = parts_wait_steps(recs, split_k) if split_k > 1 else {}
+  steps_of = lambda r: epilogue_steps(r) | parts.get((r["cta"], r["j"]), {})
   groups = {}
   for r in recs:
     groups.setdefault(kind(r["tile"]) if kind else "all", []).append(r)
   for label, rs in sorted(groups.items()):
     out[f"main_us[{label}]"] = us(np.median([r["main_done"] - r["got"] for r in rs]))
     out[f"epilogue_us[{label}]"] = us(np.median([r["epilogue_done"] - r["main_done"] for r in rs]))
-    steps = [epilogue_steps(r) | parts.get((r["cta"], r["j"]), {}) for r in rs]
+    steps = [steps_of(r) for r in rs]
     for step in STEPS:
       xs = [st[step] for st in steps if step in st]
       if xs:
@@ -144,8 +145,7 @@ def summarize(trace: np.ndarray, kind=None, split_k: int = 1) -> dict:
       "gap_us_sum": us(sum(b["got"] - a["epilogue_done"] for a, b in zip(last, last[1:]))),
       "end_at_us": us(last[-1]["epilogue_done"] - t0)}
   for step in STEPS:
-    xs = [st[step] for st in (epilogue_steps(r) | parts.get((r["cta"], r["j"]), {}) for r in last)
-          if step in st]
+    xs = [st[step] for st in map(steps_of, last) if step in st]
     if xs:
       out["last_cta"][f"{step}_us_sum"] = us(sum(xs))
   stamped = [f for f in frames(trace) if f["entry"] is not None and f["exit"] is not None]

@@ -38,7 +38,7 @@ def _consumers(c_ptr, M: gl.constexpr, N: gl.constexpr, BLOCK_M: gl.constexpr,
                TN: gl.constexpr, GROUP_M: gl.constexpr, TRACE: gl.constexpr):
   """The consumers make the output's descriptor themselves: it is first used at their first
   epilogue, and made here it does not hold up the producer's first loads."""
-  OUT_N: gl.constexpr = eng.out_block_n(BLOCK_N, c_ptr.dtype.element_ty)  # c_smem's columns
+  OUT_N: gl.constexpr = c_smem.shape[1]  # the epilogue buffer's columns (eng.out_block_n)
   c_desc = eng.make_desc(c_ptr, [M, N], [N, 1], [BLOCK_M, OUT_N])
   eng.compute_and_store(c_desc, c_smem, a_bufs, b_bufs, ready, empty, tiles, tile_ready,
                         tile_free, None, trace_ptr, K, 1, TM, TN, GROUP_M, TRACE)
