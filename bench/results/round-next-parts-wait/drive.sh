@@ -11,13 +11,13 @@
 # 128x128 tiles), so at K = 512 per rank (128x4096x4096, 8 k-blocks) each part runs 2 k-blocks
 # and the parts' fp32 partials (8 MB written, 8 MB read) outweigh B (4 MB). Predicted: split 2
 # faster than split 4 there (~11-12 us against 15.5), split 4 still best at K = 1792
-# (128x14336x4096); unsplit 128x128 and 128x64 (64 CTAs, no split: its 64 tiles exceed the
+# (128x14336x4096); also 128x8192x8192 (K = 1024 per rank) and 256x4096x4096; unsplit 128x128 and 128x64 (64 CTAs, no split: its 64 tiles exceed the
 # 62 split counters) between. If so, split_parts should keep a part's k-loop long enough.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; X=/tmp/x-parts; rm -rf $X; mkdir -p $X $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-for s in 128x14336x4096 128x4096x4096; do
+for s in 128x14336x4096 128x4096x4096 128x8192x8192 256x4096x4096; do
   timeout 120 python3 -m jax_autooverlap.bench rs --loopback --world 8 --shapes $s --engines tl \
     --trace --variant tl:block_m=128,block_n=128,pack_shards=1,split_k=4 \
     --variant tl:block_m=128,block_n=128,pack_shards=1,split_k=2 \
