@@ -64,7 +64,8 @@ SMALL_KEEP = 2           # of those, the usual ones kept for a small shape: each
 # and the tiles in turn) 0.8 % and 2.6 %, 3 and 9 entries over 5 %, at worst 1.36 and 1.45 x
 # (Mixtral gate/up TP 8 M = 1024, Llama-3-8B o TP 4 M = 128).
 # Kinds: "tail" (tail_split_config), "packed", "split" (unpacked split-K), "plain".
-SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "split", 64, 128),
+SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "packed", 128, 256),
+               ("tl", "split", 64, 128),
                ("tl", "split", 64, 256), ("tl", "split", 128, 128), ("gluon", "plain", 64, 256),
                ("gluon", "plain", 64, 128), ("tl", "plain", 64, 256),
                ("gluon", "plain", 128, 128), ("tl", "packed", 64, 256),
@@ -95,6 +96,7 @@ SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
 PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
+PACKED_WIDE = (128, 256)  # packed_configs, where PACKED_TILES[0]'s tiles exceed one wave
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
 # in two, where K >= TAIL_MIN_K (tail_split_config).
@@ -305,9 +307,13 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
   (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
   one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on
   8 GPUs (16-row shards) the 64-row tiles of one source or owner each read B 8 times per call
-  and are three quarters empty; 128-row packed tiles read it once."""
+  and are three quarters empty; 128-row packed tiles read it once.  Where the 128x128 tiles
+  exceed one wave (M = 512 at TP 8 and N > 4224: 64-row owners), also 128x256 (PACKED_WIDE),
+  which halves the tiles and B's reads again."""
   out = []
-  for bm, bn in PACKED_TILES:
+  (bm, bn), rows = PACKED_TILES[0], world * shard_rows
+  wide = (PACKED_WIDE,) if math.ceil(rows / bm) * math.ceil(n / bn) > num_sms else ()
+  for bm, bn in PACKED_TILES + wide:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
                               num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                               split_k=1, split_tail=0)
