@@ -64,8 +64,8 @@ SMALL_KEEP = 2           # of those, the usual ones kept for a small shape: each
 # and the tiles in turn) 0.8 % and 2.6 %, 3 and 9 entries over 5 %, at worst 1.36 and 1.45 x
 # (Mixtral gate/up TP 8 M = 1024, Llama-3-8B o TP 4 M = 128).
 # Kinds: "tail" (tail_split_config), "packed", "split" (unpacked split-K), "plain".
-SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "packed", 128, 256),
-               ("tl", "split", 64, 128),
+SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "packed", 128, 64),
+               ("tl", "packed", 128, 256), ("tl", "split", 64, 128),
                ("tl", "split", 64, 256), ("tl", "split", 128, 128), ("gluon", "plain", 64, 256),
                ("gluon", "plain", 64, 128), ("tl", "plain", 64, 256),
                ("gluon", "plain", 128, 128), ("tl", "packed", 64, 256),
@@ -97,6 +97,7 @@ SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
 PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
 PACKED_WIDE = (128, 256)  # packed_configs, where PACKED_TILES[0]'s tiles exceed one wave
+PACKED_NARROW = (128, 64)  # packed_configs: GEMM+RS, whole (no split-K)
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
 # in two, where K >= TAIL_MIN_K (tail_split_config).
@@ -309,19 +310,24 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
   8 GPUs (16-row shards) the 64-row tiles of one source or owner each read B 8 times per call
   and are three quarters empty; 128-row packed tiles read it once.  Where the 128x128 tiles
   exceed one wave (M = 512 at TP 8 and N > 4224: 64-row owners), also 128x256 (PACKED_WIDE),
-  which halves the tiles and B's reads again."""
+  which halves the tiles and B's reads again.  GEMM+RS also 128x64 tiles whole (PACKED_NARROW):
+  twice the 128x128 tiles without split-K's fp32 partials, whose store and count make most of
+  a split part's epilogue (loopback, one H200, w = 8: 128x4096x4096 11.7 us against 14.3 split
+  in 4 and 13.1 in 2; 256x4096x4096 13.4 against 16.8 whole; equal at K = 1792 per rank)."""
   out = []
   (bm, bn), rows = PACKED_TILES[0], world * shard_rows
   wide = (PACKED_WIDE,) if math.ceil(rows / bm) * math.ceil(n / bn) > num_sms else ()
-  for bm, bn in PACKED_TILES + wide:
+  narrow = (PACKED_NARROW,) if op == "rs" else ()
+  for bm, bn in PACKED_TILES + wide + narrow:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
                               num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                               split_k=1, split_tail=0)
     if packed_unsupported(cfg, shard_rows, n, op):
       continue
     tiles = fused_tiles(world, shard_rows, n, cfg)
-    # whole tiles where there are too many to count their parts
-    split = split_parts(cfg, tiles, k, num_sms) if tiles <= split_counters(cfg) else 1
+    # whole tiles where there are too many to count their parts, or narrow ones
+    split = (split_parts(cfg, tiles, k, num_sms)
+             if tiles <= split_counters(cfg) and (bm, bn) != PACKED_NARROW else 1)
     out.append(dataclasses.replace(cfg, split_k=split))
   return out
 
