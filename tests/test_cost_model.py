@@ -432,7 +432,7 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   """Where the default tiles give fewer than two waves: 128x128, 64x256, 64x128 per engine
   (a warpgroup per 64 rows), and on tl split-K on the smallest tile whose tiles fit the
   split counters (64), and the shards (AG) or owners' rows (GEMM+RS) packed into 128x128 and
-  64x256 tiles with split-K, 128x256 where the 128x128 ones exceed a wave, and for GEMM+RS into
+  64x256 tiles with split-K, for AG 128x256 where the 128x128 ones exceed a wave, for GEMM+RS
   128x64 tiles whole; none for large shapes or 32-bit operands."""
   base = KernelConfig()
   # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
@@ -461,13 +461,14 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   rs = select.small_shape_configs("rs", 8, 16, 1024, 8192, BF16, BF16, base, 132)
   assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
       (128, 128, 1), (64, 256, 1)]
-  # at 512 tokens (64-row owners) the 256 packed 128x128 tiles exceed a wave: also 128x256
-  # (select.PACKED_WIDE; 64x256 tiles cannot pack 64-row owners twice)
-  for op in ("ag", "rs"):
-    got = select.small_shape_configs(op, 8, 64, 1024, 8192, BF16, BF16, base, 132)
-    assert [(c.block_m, c.block_n, c.split_k) for c in got if c.pack_shards] == [
-        (128, 128, 1), (128, 256, 1)]
-    assert select.fused_tiles(8, 64, 8192, [c for c in got if c.pack_shards][-1]) == 128
+  # at 512 tokens (64-row shards) the AG's 256 packed 128x128 tiles exceed a wave: also 128x256
+  # (select.PACKED_WIDE; 64x256 tiles cannot pack 64-row shards twice); not for GEMM+RS
+  got = select.small_shape_configs("ag", 8, 64, 1024, 8192, BF16, BF16, base, 132)
+  assert [(c.block_m, c.block_n, c.split_k) for c in got if c.pack_shards] == [
+      (128, 128, 1), (128, 256, 1)]
+  assert select.fused_tiles(8, 64, 8192, [c for c in got if c.pack_shards][-1]) == 128
+  got = select.small_shape_configs("rs", 8, 64, 1024, 8192, BF16, BF16, base, 132)
+  assert [(c.block_m, c.block_n, c.split_k) for c in got if c.pack_shards] == [(128, 128, 1)]
   # 24-row shards do not fill 64- or 128-row tiles exactly: nothing packed
   assert not any(c.pack_shards for c in select.small_shape_configs(
       "ag", 8, 24, 4096, 768, BF16, BF16, base, 132))

@@ -71,30 +71,6 @@ def tile_of(t, WORLD: tl.constexpr, TM: tl.constexpr, TN: tl.constexpr, GROUP_M:
   return t // PER_OWNER, first_m + (l % GROUP) % group_rows, (l % GROUP) // group_rows
 
 
-@triton.jit
-def push_rows(part, dest, col0, remote, N: tl.constexpr, COLS: tl.constexpr):
-  """A packed tile's columns [col0, col0 + COLS) (`part`) to its peer owners' rows: row i to
-  dest[i] where remote[i]."""
-  cols = col0 + tl.max_contiguous(tl.multiple_of(tl.arange(0, COLS), COLS), COLS)
-  tl.store(dest[:, None] + cols[None, :], part.to(dest.dtype.element_ty),
-           mask=remote[:, None] & (cols[None, :] < N))
-
-
-@triton.jit
-def sum_own_rows(part, src, out_ptr, r_out, col0, own, rank, N: tl.constexpr,
-                 SLOT: tl.constexpr, WORLD: tl.constexpr, COLS: tl.constexpr):
-  """A packed tile's columns [col0, col0 + COLS) of this GPU's own rows (where own[i]; out row
-  r_out[i]): `part` plus every peer's partial (src[i] + r * SLOT) in rank order, stored."""
-  cols = col0 + tl.max_contiguous(tl.multiple_of(tl.arange(0, COLS), COLS), COLS)
-  mask = own[:, None] & (cols[None, :] < N)
-  for r in tl.static_range(WORLD):  # in rank order
-    if r != rank:
-      part += tl.load((src + r * SLOT)[:, None] + cols[None, :], cache_modifier=".cg",
-                      mask=mask, other=0.0).to(tl.float32)
-  tl.store(out_ptr + (r_out * N)[:, None] + cols[None, :], part.to(out_ptr.dtype.element_ty),
-           mask=mask)
-
-
 @lean_launch
 @triton.jit
 def gemm_rs_kernel(
@@ -154,11 +130,6 @@ def gemm_rs_kernel(
   PT: tl.constexpr = (WORLD + PACK - 1) // PACK  # row tiles with PACK > 1
   ROWS: tl.constexpr = SPREAD + (SPREAD == 0) * BLOCK_M  # rows a finishing unit finishes
   OWNER_SIGNALS: tl.constexpr = (M_OUT + ROWS - 1) // ROWS  # per source and column tile
-  # Packed tiles of 256 columns finish in column halves: a whole 128x256 tensor of 64-bit
-  # destination pointers (a row's owner's slot each) beside the accumulator spilled (ptxas:
-  # 632 bytes bf16, 396 fp8).
-  PACK_HALVES: tl.constexpr = PACK > 1 and BLOCK_N >= 256
-  PACK_COLS: tl.constexpr = BLOCK_N // 2 if PACK_HALVES else BLOCK_N
   TILES: tl.constexpr = PT * TN if PACK > 1 else WORLD * PER_OWNER
   u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")
   WORK: tl.constexpr = SPLIT_FROM + (TILES - SPLIT_FROM) * SPLIT_K
@@ -184,6 +155,8 @@ def gemm_rs_kernel(
       if finish:  # else another part of this tile finishes it
         rows = first + tl.arange(0, ROWS)  # of the tile; past BLOCK_M (Spread's last parts) none
         in_tile = rows < BLOCK_M
+        cols = tn * BLOCK_N + tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_N), BLOCK_N),
+                                                BLOCK_N)
         owner = pt * PACK + rows // M_OUT  # of each row of the tile
         r_out = rows % M_OUT
         # the peers' rows, each to its owner's slot for this rank
@@ -191,12 +164,8 @@ def gemm_rs_kernel(
                 + parity.to(tl.int64) * PARITY_BYTES).to(tl.pointer_type(out_dtype)) \
             + rank.to(tl.int64) * SLOT + r_out * N
         remote = (owner != rank) & (owner < WORLD) & in_tile
-        if PACK_HALVES:
-          left, right = acc.reshape([ROWS, 2, PACK_COLS]).permute(0, 2, 1).split()
-          push_rows(left, dest, tn * BLOCK_N, remote, N, PACK_COLS)
-          push_rows(right, dest, tn * BLOCK_N + PACK_COLS, remote, N, PACK_COLS)
-        else:
-          push_rows(acc, dest, tn * BLOCK_N, remote, N, PACK_COLS)
+        tl.store(dest[:, None] + cols[None, :], acc.to(out_dtype),
+                 mask=remote[:, None] & (cols[None, :] < N))
         # the owners of these rows, signalled together (each owner's rows of a column tile come
         # in OWNER_SIGNALS parts: one, or with Spread rows fewer than an owner's, M_OUT / ROWS)
         j = tl.arange(0, PACK)
@@ -212,15 +181,13 @@ def gemm_rs_kernel(
           wait_all_at_least(my_flags + tl.minimum(peers, WORLD - 1) * MAX_CHUNKS + tn,
                             OWNER_SIGNALS, (peers < WORLD) & (peers != rank), err_slot, OP_ID,
                             rank, peers, tn, TIMEOUT_NS)
-          src = my_slots + r_out * N  # + r * SLOT: peer r's partial of these rows
-          if PACK_HALVES:
-            sum_own_rows(left, src, out_ptr, r_out, tn * BLOCK_N, own, rank, N, SLOT, WORLD,
-                         PACK_COLS)
-            sum_own_rows(right, src, out_ptr, r_out, tn * BLOCK_N + PACK_COLS, own, rank, N,
-                         SLOT, WORLD, PACK_COLS)
-          else:
-            sum_own_rows(acc, src, out_ptr, r_out, tn * BLOCK_N, own, rank, N, SLOT, WORLD,
-                         PACK_COLS)
+          for r in tl.static_range(WORLD):  # in rank order
+            if r != rank:
+              src = my_slots + r * SLOT + r_out * N
+              acc += tl.load(src[:, None] + cols[None, :], cache_modifier=".cg",
+                             mask=own[:, None] & (cols[None, :] < N), other=0.0).to(tl.float32)
+          tl.store(out_ptr + (r_out * N)[:, None] + cols[None, :], acc.to(out_dtype),
+                   mask=own[:, None] & (cols[None, :] < N))
       tl_trace.stamp(trace_ptr, nth, u, tl_trace.EPILOGUE_DONE, TRACE)
       nth += 1
       u = tl.atomic_add(tile_counter, 1, sem="relaxed", scope="gpu")

@@ -96,7 +96,7 @@ SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
 PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
-PACKED_WIDE = (128, 256)  # packed_configs, where PACKED_TILES[0]'s tiles exceed one wave
+PACKED_WIDE = (128, 256)  # packed_configs: AG, where PACKED_TILES[0]'s tiles exceed one wave
 PACKED_NARROW = (128, 64)  # packed_configs: GEMM+RS, whole (no split-K)
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
@@ -308,15 +308,17 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
   (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
   one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on
   8 GPUs (16-row shards) the 64-row tiles of one source or owner each read B 8 times per call
-  and are three quarters empty; 128-row packed tiles read it once.  Where the 128x128 tiles
-  exceed one wave (M = 512 at TP 8 and N > 4224: 64-row owners), also 128x256 (PACKED_WIDE),
-  which halves the tiles and B's reads again.  GEMM+RS also 128x64 tiles whole (PACKED_NARROW):
-  twice the 128x128 tiles without split-K's fp32 partials, whose store and count make most of
-  a split part's epilogue (loopback, one H200, w = 8: 128x4096x4096 11.7 us against 14.3 split
-  in 4 and 13.1 in 2; 256x4096x4096 13.4 against 16.8 whole; equal at K = 1792 per rank)."""
+  and are three quarters empty; 128-row packed tiles read it once.  AG: where the 128x128 tiles
+  exceed one wave (64-row shards, e.g. M = 512 at TP 8, and N > 4224), also 128x256
+  (PACKED_WIDE): Llama-3-70B gate/up, TP 8, M = 512 101 us against 130 (H100, loopback).
+  GEMM+RS: also 128x64 tiles whole (PACKED_NARROW): twice the 128x128 tiles without split-K's
+  fp32 partials, whose store and count make most of a split part's epilogue (w = 8, one H200:
+  128x4096x4096 11.7 us against 14.3 split in 4 and 13.1 in 2; 256x4096x4096 13.4 against
+  16.8 whole; even at K = 1792 per rank)."""
   out = []
   (bm, bn), rows = PACKED_TILES[0], world * shard_rows
-  wide = (PACKED_WIDE,) if math.ceil(rows / bm) * math.ceil(n / bn) > num_sms else ()
+  wide = (PACKED_WIDE,) if op == "ag" and math.ceil(rows / bm) * math.ceil(n / bn) > num_sms \
+      else ()
   narrow = (PACKED_NARROW,) if op == "rs" else ()
   for bm, bn in PACKED_TILES + wide + narrow:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
