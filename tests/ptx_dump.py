@@ -135,7 +135,7 @@ def list_configs() -> list:
         packed = [c for c in select.small_shape_configs(e.op, w, rows, k, n, dtype, out_dtype,
                                                         base) if c.pack_shards]
         for cfg in list(cands) + packed:
-          small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1
+          small = (cfg.block_m, cfg.block_n) != (128, 256) or cfg.split_k > 1 or cfg.pack_shards
           if small and cfg not in fixed and (e.op, name, cfg, w) not in seen:
             seen.add((e.op, name, cfg, w))
             rows_a = case.a_shape[0]

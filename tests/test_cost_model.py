@@ -414,8 +414,8 @@ def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
   assert got[:select.SMALL_KEEP] == tuple(c for c in usual if c.engine == "tl")[:2]
   rs, _ = select.first_call_candidates("rs", None, 8, (128, 4096, 768), 16, BF16, BF16, "9.0")
   assert [select.small_class(c) for c in rs[select.SMALL_KEEP:]] == [
-      ("tl", "packed", 128, 128), ("tl", "split", 64, 128), ("gluon", "plain", 64, 256),
-      ("gluon", "plain", 64, 128)]
+      ("tl", "packed", 128, 128), ("tl", "packed", 128, 64), ("tl", "split", 64, 128),
+      ("gluon", "plain", 64, 256)]
   large, _ = select.first_call_candidates("ag", None, 2, (4096, 4096, 3072), 4096, BF16, BF16,
                                           "9.0")
   assert large == select.default_candidates("ag", 2, BF16, "9.0")
@@ -431,8 +431,9 @@ def test_first_call_times_a_small_shapes_narrower_tiles_and_split_k():
 def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
   """Where the default tiles give fewer than two waves: 128x128, 64x256, 64x128 per engine
   (a warpgroup per 64 rows), and on tl split-K on the smallest tile whose tiles fit the
-  split counters (64), and for AG the shards packed into 128x128 and 64x256 tiles with
-  split-K; none for large shapes or 32-bit operands."""
+  split counters (64), and the shards (AG) or owners' rows (GEMM+RS) packed into 128x128 and
+  64x256 tiles with split-K, for AG 128x256 where the 128x128 ones exceed a wave, for GEMM+RS
+  128x64 tiles whole; none for large shapes or 32-bit operands."""
   base = KernelConfig()
   # Llama-3-8B Q/K/V at TP = 8, 128 tokens: a 16-row shard per source, 768 columns
   got = select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132)
@@ -451,13 +452,23 @@ def test_small_shapes_get_narrower_tiles_and_split_k_candidates():
     assert select.split_k_unsupported(c, tiles, 4096) is None and tiles * c.split_k <= 132
   assert select.small_shape_configs("ag", 8, 16, 4096, 768, BF16, BF16, base, 132,
                                     ("tl",))[-3].split_k == 2
+  # GEMM+RS also packs 128x64 tiles, whole (select.PACKED_NARROW)
   rs = select.small_shape_configs("rs", 8, 16, 4096, 768, BF16, BF16, base, 132)
-  assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
-      (128, 128, 8), (64, 256, 8)]
-  # Llama-3-70B o at TP = 8, 128 tokens: 64 packed tiles, more than the split counters (62)
+  assert [(c.block_m, c.block_n, c.split_k, c.num_warps) for c in rs if c.pack_shards] == [
+      (128, 128, 8, 8), (64, 256, 8, 8), (128, 64, 1, 4)]
+  # Llama-3-70B o at TP = 8, 128 tokens: 64 packed tiles, more than the split counters (62);
+  # no 128x64 (128 column tiles, more than GEMM+RS's push counters per row tile: 64)
   rs = select.small_shape_configs("rs", 8, 16, 1024, 8192, BF16, BF16, base, 132)
   assert [(c.block_m, c.block_n, c.split_k) for c in rs if c.pack_shards] == [
       (128, 128, 1), (64, 256, 1)]
+  # at 512 tokens (64-row shards) the AG's 256 packed 128x128 tiles exceed a wave: also 128x256
+  # (select.PACKED_WIDE; 64x256 tiles cannot pack 64-row shards twice); not for GEMM+RS
+  got = select.small_shape_configs("ag", 8, 64, 1024, 8192, BF16, BF16, base, 132)
+  assert [(c.block_m, c.block_n, c.split_k) for c in got if c.pack_shards] == [
+      (128, 128, 1), (128, 256, 1)]
+  assert select.fused_tiles(8, 64, 8192, [c for c in got if c.pack_shards][-1]) == 128
+  got = select.small_shape_configs("rs", 8, 64, 1024, 8192, BF16, BF16, base, 132)
+  assert [(c.block_m, c.block_n, c.split_k) for c in got if c.pack_shards] == [(128, 128, 1)]
   # 24-row shards do not fill 64- or 128-row tiles exactly: nothing packed
   assert not any(c.pack_shards for c in select.small_shape_configs(
       "ag", 8, 24, 4096, 768, BF16, BF16, base, 132))

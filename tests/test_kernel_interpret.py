@@ -81,6 +81,10 @@ CASES = [  # op, world, split_k, block_m, block_n, global M, K, N
     ("ag", 2, 1, 128, 256, 256, 512, 640, 0, 0, 0, 0, 2, "float32"),
     ("rs", 2, 1, 128, 256, 512, 512, 640, 0, 0, 0, 0, 2, "float32"),
     ("rs", 4, 1, 128, 256, 600, 1024, 512, 0, 0, 0, 3, 2, "float32"),  # ragged rows, rank 3
+    # the AG's packed tiles of 128x256 (select.PACKED_WIDE): 16-row shards, split in 2; 64-row
+    # shards whole, as rank 5
+    ("ag", 8, 2, 128, 256, 128, 512, 512, 0, 0, 1),
+    ("ag", 8, 1, 128, 256, 512, 512, 768, 0, 0, 1, 5),
 ]
 
 

@@ -530,7 +530,7 @@ def test_fused_variants_are_the_tuners_configs_then_the_small_shape_ones():
   # 64x256 fits 5 in tl, whose GEMM+RS keeps no output tile in shared memory, 4 in Gluon)
   assert list(got) == ["tl", "gluon", "gluon_wg", "tl-128x128-s6", "tl-64x256-s5",
                        "tl-64x128-s6", "gluon-128x128-s6", "gluon-64x256-s4", "gluon-64x128-s6",
-                       "tl-128x128-k4-p-s6", "tl-64x256-k4-p-s5"]
+                       "tl-128x128-k4-p-s6", "tl-64x256-k4-p-s5", "tl-128x64-p-s6"]
   assert [got[n].num_warps for n in ("tl-64x256-s5", "tl-64x128-s6", "gluon-64x256-s4")] == [
       8, 4, 4]
   # 8 x 1 x 16 = 128 tiles of 64x128 tiles: too many for split-K's counters; packed, the 8

@@ -450,9 +450,9 @@ def test_first_call_coverage_compares_the_first_calls_best_with_the_best_timed(t
             "world_size": w, "dtype": "bfloat16", "impl": "ours", "median_ms": min(
                 variants.values()), "variants_ms": variants, **extra}
   # Llama-3-8B o, TP 4, M = 128: its first call times tl, gluon, tl-128x128-k4-p,
-  # tl-64x256-k2, gluon-64x256, gluon-64x128 (the chunks aside)
+  # tl-128x64-p, tl-64x256-k2, gluon-64x256 (the chunks aside)
   o = rec("llama3-8b", "o", "rs", 128, 4096, 4096, 4,
-          {"tl-64x128": 0.010, "gluon-64x128": 0.012, "tl": 0.02, "tl-64x256-k2-m8": 0.03})
+          {"tl-64x128": 0.010, "gluon-64x256": 0.012, "tl": 0.02, "tl-64x256-k2-m8": 0.03})
   # a later run that re-timed only the recorded configs: not a full record, ignored
   redo = rec("llama3-8b", "o", "rs", 128, 4096, 4096, 4, {"tl-64x128": 0.001},
              configs_from=["x"])
@@ -464,7 +464,7 @@ def test_first_call_coverage_compares_the_first_calls_best_with_the_best_timed(t
   path = tmp_path / "runs.json"
   path.write_text(json.dumps([o, redo, qkv, big]))
   got = shapes.first_call_coverage([path])
-  n, mean, over, worst = got["rs"]  # gluon-64x128's 12 us against tl-64x128's 10
+  n, mean, over, worst = got["rs"]  # gluon-64x256's 12 us against tl-64x128's 10
   assert (n, over, worst) == (1, 1, (0.012 / 0.010, "llama3-8b o rs 128x4096x4096 w4"))
   assert mean == pytest.approx(1.2)
   n, mean, over, worst = got["ag"]  # the tail split timed is the first call's
@@ -481,11 +481,11 @@ def test_notebook_first_call_cell_prints_each_ops_coverage(tmp_path, monkeypatch
   assert "no shape-list results yet" in capsys.readouterr().out
   run = tmp_path / "bench" / "results" / "r"
   run.mkdir(parents=True)
-  # Llama-3-8B o, TP 4, M = 128: gluon-64x128 (a first call's) 12 us, tl-64x128 (not) 10 us
+  # Llama-3-8B o, TP 4, M = 128: gluon-64x256 (a first call's) 12 us, tl-64x128 (not) 10 us
   (run / "x.json").write_text(json.dumps([{
       "model": "llama3-8b", "projection": "o", "op": "rs", "m": 128, "k": 4096, "n": 4096,
       "world_size": 4, "dtype": "bfloat16", "impl": "ours", "median_ms": 0.010,
-      "variants_ms": {"tl-64x128": 0.010, "gluon-64x128": 0.012}}]))
+      "variants_ms": {"tl-64x128": 0.010, "gluon-64x256": 0.012}}]))
   (tmp_path / "bench" / "results" / "shapes-runs.txt").write_text("r/x.json\n")
   exec(cell, {})
   assert capsys.readouterr().out == ("rs: 1 entries: first call best / best timed 1.2000 "

@@ -64,7 +64,8 @@ SMALL_KEEP = 2           # of those, the usual ones kept for a small shape: each
 # and the tiles in turn) 0.8 % and 2.6 %, 3 and 9 entries over 5 %, at worst 1.36 and 1.45 x
 # (Mixtral gate/up TP 8 M = 1024, Llama-3-8B o TP 4 M = 128).
 # Kinds: "tail" (tail_split_config), "packed", "split" (unpacked split-K), "plain".
-SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "split", 64, 128),
+SMALL_ORDER = (("tl", "tail", 128, 256), ("tl", "packed", 128, 128), ("tl", "packed", 128, 64),
+               ("tl", "packed", 128, 256), ("tl", "split", 64, 128),
                ("tl", "split", 64, 256), ("tl", "split", 128, 128), ("gluon", "plain", 64, 256),
                ("gluon", "plain", 64, 128), ("tl", "plain", 64, 256),
                ("gluon", "plain", 128, 128), ("tl", "packed", 64, 256),
@@ -95,6 +96,8 @@ SMALL_WAVES = 2
 SMALL_TILES = ((128, 128), (64, 256), (64, 128))
 SPLIT_K_MAX = 8
 PACKED_TILES = ((128, 128), (64, 256))  # packed_configs: B read once / twice at 16-row shards
+PACKED_WIDE = (128, 256)  # packed_configs: AG, where PACKED_TILES[0]'s tiles exceed one wave
+PACKED_NARROW = (128, 64)  # packed_configs: GEMM+RS, whole (no split-K)
 # AG shapes whose tiles overflow the first wave by at most MAX_CHUNKS tiles (always fewer
 # than SMALL_WAVES waves): autotuning and the loopback benchmark also time those tiles split
 # in two, where K >= TAIL_MIN_K (tail_split_config).
@@ -305,17 +308,28 @@ def packed_configs(op: str, world: int, shard_rows: int, k: int, n: int, base: K
   (KernelConfig.pack_shards) and split-K over the SMs, for shards of fewer rows than a tile:
   one config per tile of PACKED_TILES that can pack them (packed_unsupported).  At M = 128 on
   8 GPUs (16-row shards) the 64-row tiles of one source or owner each read B 8 times per call
-  and are three quarters empty; 128-row packed tiles read it once."""
+  and are three quarters empty; 128-row packed tiles read it once.  AG: where the 128x128 tiles
+  exceed one wave (64-row shards, e.g. M = 512 at TP 8, and N > 4224), also 128x256
+  (PACKED_WIDE): Llama-3-70B gate/up, TP 8, M = 512 101 us against 130 (H100, loopback).
+  GEMM+RS: also 128x64 tiles whole (PACKED_NARROW): twice the 128x128 tiles without split-K's
+  fp32 partials, whose store and count make most of a split part's epilogue (w = 8, one H200:
+  128x4096x4096 11.7 us against 14.3 split in 4 and 13.1 in 2; 256x4096x4096 13.4 against
+  16.8 whole; even at K = 1792 per rank)."""
   out = []
-  for bm, bn in PACKED_TILES:
+  (bm, bn), rows = PACKED_TILES[0], world * shard_rows
+  wide = (PACKED_WIDE,) if op == "ag" and math.ceil(rows / bm) * math.ceil(n / bn) > num_sms \
+      else ()
+  narrow = (PACKED_NARROW,) if op == "rs" else ()
+  for bm, bn in PACKED_TILES + wide + narrow:
     cfg = dataclasses.replace(base, engine="tl", block_m=bm, block_n=bn, pack_shards=True,
                               num_warps=tile_warps("tl", bm, bn), wg_partitions=False,
                               split_k=1, split_tail=0)
     if packed_unsupported(cfg, shard_rows, n, op):
       continue
     tiles = fused_tiles(world, shard_rows, n, cfg)
-    # whole tiles where there are too many to count their parts
-    split = split_parts(cfg, tiles, k, num_sms) if tiles <= split_counters(cfg) else 1
+    # whole tiles where there are too many to count their parts, or narrow ones
+    split = (split_parts(cfg, tiles, k, num_sms)
+             if tiles <= split_counters(cfg) and (bm, bn) != PACKED_NARROW else 1)
     out.append(dataclasses.replace(cfg, split_k=split))
   return out
 
