@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran: branch packed-256 at cb74fa6 (git archive into .xb/p256), on one H100; merged without the
+# GEMM+RS 128x256 form (f7e2034), which lost at Llama-3-70B o below.
 # A GPU call on branch packed-256 (export; carry [".whl", ".xb"]; ~4.5 min): two new packed tl
 # candidates of small shapes (select.packed_configs).
 # - GEMM+RS 128x64 whole (PACKED_NARROW): round-2026-12-06-b call 1 (parts-wait) timed it as a
